@@ -1,0 +1,1 @@
+"""Bottom layer: errors, time, logging and the loop-thread runtime."""
