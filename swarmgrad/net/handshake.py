@@ -1,0 +1,122 @@
+"""The swarmgrad handshake: protocol versions, features, and proof of identity.
+
+Runs as the first two frames on every connection, whatever carries it (TLS over TCP, TLS
+over a relayed stream, or the simulated network). Each side sends HELLO with its PeerID, the
+protocol versions it speaks and a fresh 32-byte nonce; after reading the other's HELLO each
+side sends AUTH: an ed25519 signature over a domain tag, both PeerIDs and both nonces.
+
+Why this is enough: the signature covers the nonce the *verifier* just drew, so it cannot
+be replayed, and it names both ends, so a peer that receives our signature cannot present it
+to a third party as its own. Over TLS the dialer additionally checks that the certificate
+the server proved possession of belongs to the PeerID in HELLO, which binds the identity to
+the encrypted session. This module is pure: it builds and checks messages, no I/O.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import msgpack
+
+from swarmgrad.net.identity import Identity, PeerID
+from swarmgrad.utils.errors import HandshakeError, IncompatibleVersion, ProtocolViolation
+
+PROTOCOL_VERSION = 1
+MIN_PROTOCOL_VERSION = 1
+FEATURES: tuple[str, ...] = ("mux/credit", "rpc/1", "relay/1")
+_AUTH_TAG = b"swarmgrad-auth-v1"
+NONCE_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Hello:
+    peer_id: PeerID
+    version: int
+    min_version: int
+    nonce: bytes
+    features: tuple[str, ...]
+    initial_window: int
+    max_frame: int
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {
+                "v": self.version,
+                "min_v": self.min_version,
+                "id": self.peer_id.to_bytes(),
+                "nonce": self.nonce,
+                "features": list(self.features),
+                "window": self.initial_window,
+                "max_frame": self.max_frame,
+            }
+        )
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Hello:
+        try:
+            raw = msgpack.unpackb(payload, raw=False)
+        except Exception as e:
+            raise ProtocolViolation(f"HELLO is not valid msgpack: {e}") from None
+        if not isinstance(raw, dict):
+            raise ProtocolViolation(f"HELLO must be a map, got {type(raw).__name__}")
+        try:
+            version, min_version = int(raw["v"]), int(raw["min_v"])
+            nonce = bytes(raw["nonce"])
+            peer_id = PeerID(bytes(raw["id"]))
+            features = tuple(str(f) for f in raw.get("features", ()))
+            window, max_frame = int(raw["window"]), int(raw["max_frame"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolViolation(f"HELLO is missing or has a malformed field: {e!r}") from None
+        if len(nonce) != NONCE_SIZE:
+            raise ProtocolViolation(f"HELLO nonce must be {NONCE_SIZE} bytes, got {len(nonce)}")
+        if not (1024 <= window <= 2**31) or not (1024 <= max_frame <= 2**31):
+            raise ProtocolViolation(f"HELLO window {window} or max_frame {max_frame} out of range")
+        return cls(peer_id, version, min_version, nonce, features, window, max_frame)
+
+
+def make_hello(identity: Identity, *, initial_window: int, max_frame: int) -> Hello:
+    return Hello(
+        peer_id=identity.peer_id,
+        version=PROTOCOL_VERSION,
+        min_version=MIN_PROTOCOL_VERSION,
+        nonce=os.urandom(NONCE_SIZE),
+        features=FEATURES,
+        initial_window=initial_window,
+        max_frame=max_frame,
+    )
+
+
+def negotiate_version(ours: Hello, theirs: Hello) -> int:
+    """The highest version both speak, or IncompatibleVersion naming both ranges."""
+    low, high = max(ours.min_version, theirs.min_version), min(ours.version, theirs.version)
+    if low > high:
+        raise IncompatibleVersion(
+            f"peer {theirs.peer_id} speaks protocol versions {theirs.min_version}..{theirs.version}"
+            f", we speak {ours.min_version}..{ours.version}"
+        )
+    return high
+
+
+def _auth_message(signer: Hello, verifier: Hello) -> bytes:
+    return b"|".join(
+        (
+            _AUTH_TAG,
+            signer.peer_id.to_bytes(),
+            verifier.peer_id.to_bytes(),
+            verifier.nonce,
+            signer.nonce,
+        )
+    )
+
+
+def sign_auth(identity: Identity, ours: Hello, theirs: Hello) -> bytes:
+    return identity.sign(_auth_message(ours, theirs))
+
+
+def verify_auth(signature: bytes, ours: Hello, theirs: Hello) -> None:
+    """Check the remote's AUTH signature; raise HandshakeError if it does not prove theirs."""
+    if not theirs.peer_id.verify(bytes(signature), _auth_message(theirs, ours)):
+        raise HandshakeError(
+            f"peer claiming to be {theirs.peer_id} failed to prove possession of its key"
+        )

@@ -1,0 +1,710 @@
+"""One connection between two peers, carrying many streams with credit-based flow control.
+
+:class:`Connection` is an ``asyncio.BufferedProtocol``: it sits on top of any asyncio-style
+transport (TLS over TCP, TLS over a relayed stream, or a simulated link) and turns the byte
+stream into frames (see :mod:`swarmgrad.net.framing`). After the handshake it multiplexes
+:class:`Stream` objects.
+
+Flow control: a receiver grants each stream ``initial_window`` bytes of credit and returns
+credit only as the application *consumes* data, so a slow reader makes the sender wait
+instead of buffering without bound, and only that stream waits.
+
+Zero-copy receive: when a reader waits in :meth:`Stream.readexactly_into`, the payload of the
+DATA frame it waits for is received (or decrypted, under TLS) straight into the reader's
+buffer, e.g. a tensor's memory. Larger payloads with no reader waiting land in a buffer
+allocated once for that payload; only small frames are copied out of the scratch buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from swarmgrad.net import framing
+from swarmgrad.net.framing import FLAG_FIN, FrameType, ResetCode
+from swarmgrad.net.handshake import Hello, make_hello, negotiate_version, sign_auth, verify_auth
+from swarmgrad.net.identity import Identity, PeerID
+from swarmgrad.utils.errors import (
+    ConnectionClosed,
+    HandshakeError,
+    IncompatibleVersion,
+    PeerIDMismatch,
+    ProtocolViolation,
+    StreamReset,
+    SwarmgradError,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WINDOW = 4 * 1024 * 1024
+DEFAULT_MAX_FRAME = 1024 * 1024
+SCRATCH_SIZE = 256 * 1024
+# Payload bytes at most copied out of the scratch buffer; larger remainders get their own.
+_SMALL_PAYLOAD = 16 * 1024
+
+
+class Stream:
+    """A bidirectional byte stream inside a :class:`Connection`.
+
+    Reading: :meth:`read`, :meth:`readexactly`, :meth:`readexactly_into`; a clean end of the
+    remote's data reads as ``b""`` / raises ConnectionClosed for exact reads. Writing:
+    :meth:`write` (waits for credit), :meth:`close_write` (sends FIN). :meth:`reset` aborts
+    both directions and tells the remote side.
+    """
+
+    def __init__(self, conn: Connection, stream_id: int, header: bytes, *, initial_credit: int):
+        self.conn = conn
+        self.stream_id = stream_id
+        self.header = header  # the OPEN payload: what the opener asked for
+        self._chunks: collections.deque[memoryview] = collections.deque()
+        self._buffered = 0
+        self._recv_fin = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self._target: memoryview | None = None  # readexactly_into destination
+        self._target_filled = 0
+        self._recv_credit = conn._local_window  # bytes the remote may still send
+        self._consumed_since_grant = 0
+        self._send_credit = initial_credit
+        self._credit_waiter: asyncio.Future | None = None
+        self._send_fin = False
+        self._failed: asyncio.Future | None = None
+
+    @property
+    def remote_peer_id(self) -> PeerID:
+        return self.conn.remote_peer_id
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None or (self._recv_fin and self._send_fin)
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.stream_id} to {self.conn.remote_peer_id}>"
+
+    # ---------------------------------------------------------------- receiving (driver side)
+
+    def _direct_target(self) -> memoryview | None:
+        if self._target is None:
+            return None
+        return self._target[self._target_filled :]
+
+    def _on_direct_bytes(self, n: int) -> None:
+        """n bytes were received straight into the waiting reader's buffer."""
+        self._count_received(n)
+        self._on_direct_progress(n)
+
+    def _on_data(self, data: memoryview) -> None:
+        """Payload bytes that arrived for this stream (already owned by us)."""
+        self._count_received(len(data))
+        if self._target is not None:
+            n = min(len(data), len(self._target) - self._target_filled)
+            self._target[self._target_filled : self._target_filled + n] = data[:n]
+            self._on_direct_progress(n)
+            data = data[n:]
+        if len(data):
+            self._chunks.append(data)
+            self._buffered += len(data)
+            self._wake()
+
+    def _on_direct_progress(self, n: int) -> None:
+        self._target_filled += n
+        self._consume(n)
+        if self._target_filled == len(self._target):
+            self._target = None
+            self._wake()
+
+    def _count_received(self, n: int) -> None:
+        self._recv_credit -= n
+        if self._recv_credit < 0:
+            raise ProtocolViolation(
+                f"peer {self.conn.remote_peer_id} sent {-self._recv_credit} bytes beyond the "
+                f"credit of stream {self.stream_id}"
+            )
+
+    def _on_fin(self) -> None:
+        self._recv_fin = True
+        self._wake()
+
+    def _on_error(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._wake()
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_result(None)
+        if self._credit_waiter is not None and not self._credit_waiter.done():
+            self._credit_waiter.set_result(None)
+
+    def _on_credit(self, n: int) -> None:
+        self._send_credit += n
+        if self._credit_waiter is not None and not self._credit_waiter.done():
+            self._credit_waiter.set_result(None)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _consume(self, n: int) -> None:
+        """The application took n bytes: return credit in batches of half a window."""
+        self._consumed_since_grant += n
+        if self._consumed_since_grant >= self.conn._local_window // 2 and not self._recv_fin:
+            grant, self._consumed_since_grant = self._consumed_since_grant, 0
+            self._recv_credit += grant
+            self.conn._send_control(
+                FrameType.WINDOW, self.stream_id, framing.WINDOW_PAYLOAD.pack(grant)
+            )
+
+    async def _wait(self) -> None:
+        self._waiter = self.conn._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    async def wait_failed(self) -> None:
+        """Return once the stream is reset or its connection dies (never on a clean end)."""
+        if self._error is not None:
+            return
+        if self._failed is None:
+            self._failed = self.conn._loop.create_future()
+        await asyncio.shield(self._failed)
+
+    # ---------------------------------------------------------------- reading (user side)
+
+    async def read(self, max_bytes: int = -1) -> bytes:
+        """Up to max_bytes (all buffered if -1) once any are available; b"" at end of stream."""
+        while not self._chunks:
+            self._raise_if_failed()
+            if self._recv_fin:
+                return b""
+            await self._wait()
+        out = []
+        taken = 0
+        while self._chunks and (max_bytes < 0 or taken < max_bytes):
+            chunk = self._chunks[0]
+            if max_bytes >= 0 and taken + len(chunk) > max_bytes:
+                part = max_bytes - taken
+                out.append(chunk[:part])
+                self._chunks[0] = chunk[part:]
+                taken += part
+                break
+            out.append(self._chunks.popleft())
+            taken += len(chunk)
+        self._buffered -= taken
+        self._consume(taken)
+        return b"".join(out)
+
+    async def readexactly_into(self, buffer: memoryview | bytearray) -> None:
+        """Fill buffer completely; bytes still in flight are received straight into it."""
+        view = memoryview(buffer).cast("B")
+        filled = 0
+        while self._chunks and filled < len(view):
+            chunk = self._chunks[0]
+            n = min(len(chunk), len(view) - filled)
+            view[filled : filled + n] = chunk[:n]
+            filled += n
+            if n == len(chunk):
+                self._chunks.popleft()
+            else:
+                self._chunks[0] = chunk[n:]
+        self._buffered -= filled
+        self._consume(filled)
+        if filled == len(view):
+            return
+        self._raise_if_failed()
+        if self._recv_fin:
+            raise ConnectionClosed(
+                f"stream {self.stream_id} from {self.conn.remote_peer_id} ended after "
+                f"{filled} of {len(view)} expected bytes"
+            )
+        self._target, self._target_filled = view, filled
+        try:
+            while self._target is not None:
+                if self._error is not None:
+                    raise self._error
+                if self._recv_fin:
+                    raise ConnectionClosed(
+                        f"stream {self.stream_id} from {self.conn.remote_peer_id} ended after "
+                        f"{self._target_filled} of {len(view)} expected bytes"
+                    )
+                await self._wait()
+        finally:
+            self._target = None
+
+    async def readexactly(self, n: int) -> bytearray:
+        buffer = bytearray(n)
+        await self.readexactly_into(buffer)
+        return buffer
+
+    # ---------------------------------------------------------------- writing
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send data, waiting for credit and for the transport; the buffer is not copied
+        in Python and may be reused once this returns."""
+        view = memoryview(data).cast("B")
+        conn = self.conn
+        while len(view):
+            if self._error is not None:
+                raise self._error
+            if self._send_fin:
+                raise ConnectionClosed(f"stream {self.stream_id} was closed for writing")
+            if self._send_credit <= 0:
+                self._credit_waiter = conn._loop.create_future()
+                try:
+                    await self._credit_waiter
+                finally:
+                    self._credit_waiter = None
+                continue
+            await conn._wait_writable()
+            if self._error is not None:
+                raise self._error
+            n = min(len(view), self._send_credit, conn._remote_max_frame)
+            self._send_credit -= n
+            conn._send_data(self.stream_id, view[:n], fin=False)
+            view = view[n:]
+
+    async def write_eof(self, data: bytes | bytearray | memoryview = b"") -> None:
+        """Write data (if any) and close the writing direction."""
+        if data:
+            await self.write(data)
+        await self.close_write()
+
+    async def close_write(self) -> None:
+        if self._send_fin or self._error is not None:
+            return
+        await self.conn._wait_writable()
+        if self._error is None and not self._send_fin:
+            self._send_fin = True
+            self.conn._send_data(self.stream_id, b"", fin=True)
+            self.conn._maybe_forget(self)
+
+    def reset(self, reason: str = "", code: ResetCode = ResetCode.CANCELLED) -> None:
+        """Abort both directions now and tell the remote side (idempotent)."""
+        if self._error is not None or (self._send_fin and self._recv_fin):
+            self.conn._forget(self)
+            return
+        self._on_error(StreamReset(f"stream {self.stream_id} was reset locally: {reason}"))
+        self.conn._send_control(
+            FrameType.RESET, self.stream_id, framing.encode_reset_payload(code, reason)
+        )
+        self.conn._forget(self)
+
+    async def aclose(self) -> None:
+        """Close gracefully if possible, else reset."""
+        try:
+            await self.close_write()
+        except SwarmgradError:
+            pass
+        if not self._recv_fin and self._error is None:
+            self.reset("closed by the application before the remote finished")
+        self.conn._maybe_forget(self)
+
+
+class Connection(asyncio.BufferedProtocol):
+    """Protocol side of one peer-to-peer connection: handshake, framing, multiplexing.
+
+    Created per transport; ``handshake_done`` resolves with the remote PeerID, and
+    ``closed`` with the reason the connection ended. ``on_stream`` is called with every
+    stream the remote opens; ``on_close`` once when the connection is gone.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        is_dialer: bool,
+        expected_peer_id: PeerID | None = None,
+        on_stream: Callable[[Stream], None] | None = None,
+        on_close: Callable[[Connection], None] | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        initial_window: int = DEFAULT_WINDOW,
+        max_inbound_streams: int = 4096,
+    ):
+        self._identity = identity
+        self.is_dialer = is_dialer
+        self._expected_peer_id = expected_peer_id
+        self._on_stream = on_stream
+        self._on_close = on_close
+        self._local_max_frame = max_frame
+        self._local_window = initial_window
+        self._max_inbound_streams = max_inbound_streams
+        self._loop = asyncio.get_running_loop()
+        self.handshake_done: asyncio.Future[PeerID] = self._loop.create_future()
+        self.closed: asyncio.Future[BaseException | None] = self._loop.create_future()
+        self.transport: Any = None
+        self.remote_peer_id: PeerID | None = None
+        self.remote_address: Any = None
+        self.version: int | None = None
+        self._our_hello = make_hello(identity, initial_window=initial_window, max_frame=max_frame)
+        self._their_hello: Hello | None = None
+        self._authenticated = False
+        self._remote_max_frame = DEFAULT_MAX_FRAME
+        self._remote_window = DEFAULT_WINDOW
+        self._streams: dict[int, Stream] = {}
+        self._inbound_count = 0
+        self._next_id = itertools.count(1 if is_dialer else 2, 2)
+        self._write_paused = False
+        self._write_waiters: list[asyncio.Future] = []
+        self._pings: dict[bytes, asyncio.Future] = {}
+        # receive state machine
+        self._scratch = bytearray(SCRATCH_SIZE)
+        self._scratch_view = memoryview(self._scratch)
+        self._filled = 0
+        self._payload_left = 0  # >0 while receiving the rest of a DATA payload
+        self._payload_stream: Stream | None = None
+        self._payload_fin = False
+        self._payload_buf: bytearray | None = None
+        self._payload_buf_filled = 0
+        self._payload_direct = False
+        self._dead = False
+
+    # ------------------------------------------------------------------ transport events
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.remote_address = transport.get_extra_info("peername")
+        self._send_control(FrameType.HELLO, 0, self._our_hello.encode())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._payload_left:
+            stream = self._payload_stream
+            if self._payload_buf is None and stream is not None and not self._dead:
+                target = stream._direct_target()
+                if target is not None and len(target):
+                    self._payload_direct = True
+                    return target[: self._payload_left]
+            self._payload_direct = False
+            if self._payload_buf is None:
+                self._payload_buf = bytearray(self._payload_left)
+                self._payload_buf_filled = 0
+            return memoryview(self._payload_buf)[self._payload_buf_filled :]
+        return self._scratch_view[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._dead:
+            return
+        try:
+            if self._payload_left:
+                self._payload_received(nbytes)
+            else:
+                self._filled += nbytes
+                self._parse_scratch()
+        except SwarmgradError as e:
+            self._fail(e)
+
+    def eof_received(self) -> bool:
+        self._fail(ConnectionClosed(f"connection to {self._peer_name()} closed by the remote"))
+        return False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        reason: BaseException
+        if exc is None:
+            reason = ConnectionClosed(f"connection to {self._peer_name()} closed")
+        elif isinstance(exc, SwarmgradError):
+            reason = exc
+        else:
+            reason = ConnectionClosed(f"connection to {self._peer_name()} lost: {exc!r}")
+        self._teardown(reason)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        waiters, self._write_waiters = self._write_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._dead and self._authenticated
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def open_stream(self, header: bytes = b"") -> Stream:
+        """Open a new stream; header (at most 64 KiB) tells the remote what it is for."""
+        if self._dead:
+            raise ConnectionClosed(f"connection to {self._peer_name()} is closed")
+        if not self._authenticated:
+            raise ConnectionClosed(f"connection to {self._peer_name()} is not yet established")
+        if len(header) > framing.CONTROL_PAYLOAD_LIMIT:
+            raise ValueError(f"stream header of {len(header)} bytes exceeds 64 KiB")
+        stream_id = next(self._next_id)
+        if stream_id > framing.MAX_STREAM_ID:
+            raise ConnectionClosed(f"connection to {self._peer_name()} ran out of stream ids")
+        stream = Stream(self, stream_id, header, initial_credit=self._remote_window)
+        self._streams[stream_id] = stream
+        self._send_control(FrameType.OPEN, stream_id, header)
+        return stream
+
+    async def ping(self) -> float:
+        """Round-trip time in seconds of a PING on this connection."""
+        token = os.urandom(8)
+        waiter = self._loop.create_future()
+        self._pings[token] = waiter
+        started = self._loop.time()
+        try:
+            self._send_control(FrameType.PING, 0, token)
+            await waiter
+        finally:
+            self._pings.pop(token, None)
+        return self._loop.time() - started
+
+    def close(self, reason: str = "closing") -> None:
+        """Say GOAWAY and close the transport gracefully (pending bytes are flushed)."""
+        if self._dead:
+            return
+        self._send_control(FrameType.GOAWAY, 0, reason.encode()[:1024])
+        self._teardown(ConnectionClosed(f"connection to {self._peer_name()} closed: {reason}"))
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self, exc: BaseException) -> None:
+        self._teardown(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    # ------------------------------------------------------------------ sending
+
+    def _send_control(self, frame_type: FrameType, stream_id: int, payload: bytes) -> None:
+        if self._dead or self.transport is None:
+            return
+        header = framing.encode_header(frame_type, stream_id, len(payload))
+        self.transport.write(header + payload)
+
+    def _send_data(self, stream_id: int, payload: memoryview | bytes, *, fin: bool) -> None:
+        if self._dead:
+            return
+        header = framing.encode_header(FrameType.DATA, stream_id, len(payload), FLAG_FIN * fin)
+        if len(payload) <= _SMALL_PAYLOAD:
+            self.transport.write(header + bytes(payload))
+        else:
+            self.transport.writelines((header, payload))
+
+    async def _wait_writable(self) -> None:
+        while self._write_paused and not self._dead:
+            waiter = self._loop.create_future()
+            self._write_waiters.append(waiter)
+            await waiter
+        if self._dead:
+            raise ConnectionClosed(f"connection to {self._peer_name()} is closed")
+
+    # ------------------------------------------------------------------ receiving
+
+    def _parse_scratch(self) -> None:
+        view, pos, end = self._scratch_view, 0, self._filled
+        while not self._dead and end - pos >= framing.HEADER_SIZE:
+            header = framing.decode_header(view[pos : pos + framing.HEADER_SIZE], self._local_max_frame)
+            body_start = pos + framing.HEADER_SIZE
+            if header.type != FrameType.DATA:
+                if end - body_start < header.length:
+                    break  # control payloads are small; wait for the rest in the scratch
+                pos = body_start + header.length
+                self._on_control(header, bytes(view[body_start:pos]))
+                continue
+            available = min(end - body_start, header.length)
+            stream = self._data_stream(header.stream_id)
+            if available < header.length and header.length - available > _SMALL_PAYLOAD:
+                # A large payload: take what arrived, receive the rest outside the scratch.
+                if stream is not None and available:
+                    stream._on_data(memoryview(bytes(view[body_start : body_start + available])))
+                self._payload_left = header.length - available
+                self._payload_stream, self._payload_fin = stream, header.fin
+                self._payload_buf, self._payload_direct = None, False
+                pos = body_start + available
+                break
+            if available < header.length:
+                break  # small remainder: wait for it in the scratch
+            pos = body_start + header.length
+            if stream is not None:
+                if header.length:
+                    stream._on_data(memoryview(bytes(view[body_start:pos])))
+                if header.fin:
+                    stream._on_fin()
+                    self._maybe_forget(stream)
+        if pos:
+            remaining = end - pos
+            view[:remaining] = view[pos:end]
+            self._filled = remaining
+
+    def _payload_received(self, nbytes: int) -> None:
+        stream = self._payload_stream
+        self._payload_left -= nbytes
+        if self._payload_direct:
+            if stream is not None:
+                stream._on_direct_bytes(nbytes)
+        else:
+            self._payload_buf_filled += nbytes
+            if self._payload_left == 0:
+                buffer, self._payload_buf = self._payload_buf, None
+                if stream is not None:
+                    stream._on_data(memoryview(buffer)[: self._payload_buf_filled])
+        if self._payload_left == 0:
+            if stream is not None and self._payload_fin:
+                stream._on_fin()
+                self._maybe_forget(stream)
+            self._payload_stream = None
+            self._payload_direct = False
+
+    def _data_stream(self, stream_id: int) -> Stream | None:
+        if not self._authenticated:
+            raise ProtocolViolation(f"{self._peer_name()} sent DATA before the handshake")
+        stream = self._streams.get(stream_id)
+        if stream is not None and (stream._recv_fin or stream._error is not None):
+            if stream._recv_fin:
+                raise ProtocolViolation(f"{self._peer_name()} sent DATA after FIN on {stream_id}")
+            return None  # locally reset: discard what was already in flight
+        return stream
+
+    def _on_control(self, header: framing.FrameHeader, payload: bytes) -> None:
+        kind, sid = header.type, header.stream_id
+        if kind == FrameType.HELLO:
+            self._on_hello(payload)
+        elif kind == FrameType.AUTH:
+            self._on_auth(payload)
+        elif not self._authenticated:
+            if kind == FrameType.GOAWAY:
+                reason = payload.decode("utf-8", "replace")
+                error_cls = IncompatibleVersion if "version" in reason else HandshakeError
+                raise error_cls(f"{self._peer_name()} refused the handshake: {reason}")
+            raise ProtocolViolation(f"{self._peer_name()} sent {kind.name} before the handshake")
+        elif kind == FrameType.OPEN:
+            self._on_open(sid, payload)
+        elif kind == FrameType.WINDOW:
+            (grant,) = framing.WINDOW_PAYLOAD.unpack(payload)
+            stream = self._streams.get(sid)
+            if stream is not None:
+                stream._on_credit(grant)
+        elif kind == FrameType.RESET:
+            stream = self._streams.get(sid)
+            if stream is not None:
+                code, reason = framing.decode_reset_payload(payload)
+                stream._on_error(
+                    StreamReset(
+                        f"stream {sid} was reset by {self._peer_name()} ({code.name}): {reason}"
+                    )
+                )
+                self._forget(stream)
+        elif kind == FrameType.PING:
+            self._send_control(FrameType.PONG, 0, payload)
+        elif kind == FrameType.PONG:
+            waiter = self._pings.get(payload)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        elif kind == FrameType.GOAWAY:
+            reason = payload.decode("utf-8", "replace")
+            self._teardown(ConnectionClosed(f"{self._peer_name()} closed the connection: {reason}"))
+            self.transport.close()
+
+    def _on_hello(self, payload: bytes) -> None:
+        if self._their_hello is not None:
+            raise ProtocolViolation(f"{self._peer_name()} sent HELLO twice")
+        hello = Hello.decode(payload)
+        try:
+            self.version = negotiate_version(self._our_hello, hello)
+        except IncompatibleVersion as e:
+            self._send_control(FrameType.GOAWAY, 0, f"incompatible protocol version: {e}".encode())
+            raise
+        expected = self._expected_peer_id
+        if expected is not None and hello.peer_id != expected:
+            raise PeerIDMismatch(
+                f"dialed {expected} at {self.remote_address} but {hello.peer_id} answered"
+            )
+        tls_peer = self.transport.get_extra_info("tls_peer_id")
+        if tls_peer is not None and tls_peer != hello.peer_id:
+            raise PeerIDMismatch(
+                f"TLS certificate of {self.remote_address} belongs to {tls_peer}, "
+                f"but the handshake claims {hello.peer_id}"
+            )
+        if hello.peer_id == self._identity.peer_id:
+            raise HandshakeError(f"connected to ourselves ({hello.peer_id}) at {self.remote_address}")
+        self._their_hello = hello
+        self._remote_max_frame = hello.max_frame
+        self._remote_window = hello.initial_window
+        self._send_control(FrameType.AUTH, 0, sign_auth(self._identity, self._our_hello, hello))
+
+    def _on_auth(self, payload: bytes) -> None:
+        if self._their_hello is None or self._authenticated:
+            raise ProtocolViolation(f"{self._peer_name()} sent AUTH out of order")
+        verify_auth(payload, self._our_hello, self._their_hello)
+        self._authenticated = True
+        self.remote_peer_id = self._their_hello.peer_id
+        if not self.handshake_done.done():
+            self.handshake_done.set_result(self.remote_peer_id)
+
+    def _on_open(self, stream_id: int, header: bytes) -> None:
+        if stream_id % 2 == (1 if self.is_dialer else 0):
+            raise ProtocolViolation(f"{self._peer_name()} opened stream {stream_id} of our parity")
+        if stream_id in self._streams:
+            raise ProtocolViolation(f"{self._peer_name()} reopened live stream {stream_id}")
+        if self._inbound_count >= self._max_inbound_streams or self._on_stream is None:
+            self._send_control(
+                FrameType.RESET,
+                stream_id,
+                framing.encode_reset_payload(ResetCode.REFUSED, "too many open streams"),
+            )
+            return
+        stream = Stream(self, stream_id, header, initial_credit=self._remote_window)
+        self._streams[stream_id] = stream
+        self._inbound_count += 1
+        self._on_stream(stream)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _maybe_forget(self, stream: Stream) -> None:
+        if stream._recv_fin and stream._send_fin:
+            self._forget(stream)
+
+    def _forget(self, stream: Stream) -> None:
+        if self._streams.pop(stream.stream_id, None) is not None:
+            if stream.stream_id % 2 == (0 if self.is_dialer else 1):
+                self._inbound_count -= 1
+
+    def _peer_name(self) -> str:
+        if self.remote_peer_id is not None:
+            return str(self.remote_peer_id)
+        return f"peer at {self.remote_address}"
+
+    def _fail(self, exc: BaseException) -> None:
+        """A protocol error: tell the remote (best effort) and drop the connection."""
+        if self._dead:
+            return
+        logger.debug("dropping connection to %s: %s", self._peer_name(), exc)
+        if isinstance(exc, ProtocolViolation) and not isinstance(exc, IncompatibleVersion):
+            self._send_control(FrameType.GOAWAY, 0, f"protocol violation: {exc}".encode()[:1024])
+        self._teardown(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _teardown(self, exc: BaseException) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        if not self.handshake_done.done():
+            self.handshake_done.set_exception(exc)
+            self.handshake_done.exception()  # mark retrieved: the owner may have given up
+        for stream in list(self._streams.values()):
+            stream._on_error(exc)
+        self._streams.clear()
+        for waiter in self._pings.values():
+            if not waiter.done():
+                waiter.set_exception(exc)
+        self.resume_writing()
+        if not self.closed.done():
+            self.closed.set_result(exc)
+        if self._on_close is not None:
+            self._on_close(self)

@@ -1,0 +1,434 @@
+"""A peer: one identity, its listeners, a pool of connections, and its RPC handlers.
+
+Every subsystem of a process (DHT, expert server, averagers) registers handlers on the same
+:class:`Peer` and calls other peers through it. A peer reaches another by PeerID (over an
+existing connection or a known address) or by multiaddr. Concurrent dials to the same
+peer share one connection, and a connection opened by either side is reused by both.
+
+The peer runs on any backend: :class:`~swarmgrad.net.tcp.TCPBackend` (real TCP + TLS) or
+the simulated network; the protocol code above never knows which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from swarmgrad.net import rpc
+from swarmgrad.net.identity import Identity, PeerID
+from swarmgrad.net.multiaddr import Multiaddr
+from swarmgrad.net.mux import Connection, Stream
+from swarmgrad.utils.errors import (
+    ConnectionClosed,
+    DeadlineExceeded,
+    HandshakeError,
+    PeerUnreachable,
+    ProtocolViolation,
+    SwarmgradError,
+    ValidationError,
+)
+
+logger = logging.getLogger(__name__)
+
+RAW_PROTOCOL_PREFIX = b"\x00raw:"  # stream headers of non-RPC protocols (e.g. relays)
+
+
+class Peer:
+    """Use :meth:`create` (async) to build one; :meth:`shutdown` closes everything it owns."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        backend: Any,
+        *,
+        client_mode: bool = False,
+        announce_maddrs: Iterable[str | Multiaddr] = (),
+        max_message_size: int = rpc.DEFAULT_MAX_MESSAGE_SIZE,
+        max_concurrent_calls_per_peer: int = 256,
+        handshake_timeout: float = 10.0,
+        dial_timeout: float = 15.0,
+        max_connections: int = 4096,
+    ):
+        self.identity = identity
+        self.peer_id: PeerID = identity.peer_id
+        self.client_mode = client_mode
+        self.max_message_size = max_message_size
+        self.max_concurrent_calls_per_peer = max_concurrent_calls_per_peer
+        self.handshake_timeout = handshake_timeout
+        self.dial_timeout = dial_timeout
+        self.max_connections = max_connections
+        self._backend = backend
+        self._announce = [Multiaddr.parse(m) for m in announce_maddrs]
+        self._listen_maddrs: list[Multiaddr] = []
+        self._handlers: dict[str, rpc.Handler] = {}
+        self._raw_protocols: dict[str, Callable[[Stream], Any]] = {}
+        self._connections: dict[PeerID, Connection] = {}
+        self._all_connections: set[Connection] = set()
+        self._dialing: dict[Any, asyncio.Future[Connection]] = {}
+        self._addresses: dict[PeerID, list[Multiaddr]] = collections.defaultdict(list)
+        self._inflight: collections.Counter[PeerID] = collections.Counter()
+        self._tasks: set[asyncio.Task] = set()
+        self._relayed_addrs: list[Multiaddr] = []
+        self._closed = False
+        self.relay_client: Any = None  # set by the relay module in client mode
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    async def create(
+        cls,
+        *,
+        identity: Identity | None = None,
+        identity_path: str | None = None,
+        host_maddrs: Iterable[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
+        backend: Any = None,
+        **kwargs: Any,
+    ) -> Peer:
+        """Start a peer. With ``client_mode=True`` no listener is opened."""
+        if identity is None:
+            identity = (
+                Identity.load_or_create(identity_path) if identity_path else Identity.generate()
+            )
+        if backend is None:
+            from swarmgrad.net.tcp import TCPBackend
+
+            backend = TCPBackend(identity)
+        peer = cls(identity, backend, **kwargs)
+        if not peer.client_mode:
+            try:
+                for maddr in host_maddrs:
+                    await peer.listen(maddr)
+            except BaseException:
+                await peer.shutdown()
+                raise
+        return peer
+
+    async def listen(self, maddr: str | Multiaddr) -> list[Multiaddr]:
+        address = Multiaddr.parse(maddr, allow_port_zero=True)
+        bound = await self._backend.listen(address, self._make_inbound_connection)
+        self._listen_maddrs.extend(bound)
+        logger.debug("%s listening on %s", self.peer_id, bound)
+        return bound
+
+    def get_visible_maddrs(self) -> list[Multiaddr]:
+        """Addresses other peers can dial to reach us, each ending in /p2p/<our id>."""
+        base = self._announce or self._listen_maddrs
+        maddrs = [m.with_peer_id(self.peer_id) for m in base]
+        return maddrs + list(self._relayed_addrs)
+
+    # ------------------------------------------------------------------ handlers
+
+    def add_handler(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *,
+        stream_input: bool = False,
+        stream_output: bool = False,
+    ) -> None:
+        """Register ``async fn(request, context)`` (an async generator if stream_output)."""
+        if name in self._handlers:
+            raise ValidationError(f"a handler named {name!r} is already registered")
+        self._handlers[name] = rpc.Handler(name, fn, stream_input, stream_output)
+
+    def remove_handler(self, name: str) -> None:
+        self._handlers.pop(name, None)
+
+    def add_servicer(self, servicer: rpc.ServicerBase, namespace: str | None = None) -> None:
+        for handler in servicer.rpc_handlers(namespace):
+            self.add_handler(
+                handler.name,
+                handler.fn,
+                stream_input=handler.stream_input,
+                stream_output=handler.stream_output,
+            )
+
+    def add_protocol_handler(self, protocol: str, fn: Callable[[Stream], Any]) -> None:
+        """A raw stream protocol: ``async fn(stream)`` owns the stream (e.g. the relay)."""
+        self._raw_protocols[protocol] = fn
+
+    # ------------------------------------------------------------------ addresses & connections
+
+    def add_addresses(self, peer_id: PeerID, maddrs: Iterable[str | Multiaddr]) -> None:
+        known = self._addresses[peer_id]
+        for maddr in maddrs:
+            address = Multiaddr.parse(maddr)
+            if address not in known:
+                known.append(address)
+
+    def is_connected(self, peer_id: PeerID) -> bool:
+        conn = self._connections.get(peer_id)
+        return conn is not None and conn.is_alive
+
+    @property
+    def connected_peers(self) -> list[PeerID]:
+        return [pid for pid, conn in self._connections.items() if conn.is_alive]
+
+    async def connect(self, maddr: str | Multiaddr) -> PeerID:
+        """Dial an address (reusing a live connection to its PeerID) and return the PeerID."""
+        address = Multiaddr.parse(maddr)
+        conn = await self._connection_to_address(address)
+        return conn.remote_peer_id
+
+    async def _get_connection(self, peer: PeerID | str | Multiaddr) -> Connection:
+        if isinstance(peer, PeerID):
+            conn = self._connections.get(peer)
+            if conn is not None and conn.is_alive:
+                return conn
+            return await self._dial_peer(peer)
+        return await self._connection_to_address(Multiaddr.parse(peer))
+
+    async def _connection_to_address(self, address: Multiaddr) -> Connection:
+        if address.peer_id is not None:
+            conn = self._connections.get(address.peer_id)
+            if conn is not None and conn.is_alive:
+                return conn
+            self.add_addresses(address.peer_id, [address])
+        return await self._coalesced_dial(address.peer_id or address, address)
+
+    async def _dial_peer(self, peer_id: PeerID) -> Connection:
+        addresses = list(self._addresses.get(peer_id, ()))
+        if not addresses:
+            raise PeerUnreachable(f"no connection to {peer_id} and no known address for it")
+        return await self._coalesced_dial(peer_id, *addresses)
+
+    async def _coalesced_dial(self, key: Any, *addresses: Multiaddr) -> Connection:
+        pending = self._dialing.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._dial_any(addresses))
+            self._dialing[key] = pending
+            pending.add_done_callback(lambda _: self._dialing.pop(key, None))
+        return await asyncio.shield(pending)
+
+    async def _dial_any(self, addresses: tuple[Multiaddr, ...]) -> Connection:
+        errors = []
+        for address in addresses:
+            try:
+                return await self._dial(address)
+            except (OSError, SwarmgradError, TimeoutError) as e:
+                errors.append(f"{address}: {e}")
+        raise PeerUnreachable("could not reach any address: " + "; ".join(errors))
+
+    async def _dial(self, address: Multiaddr) -> Connection:
+        if self._closed:
+            raise ConnectionClosed(f"peer {self.peer_id} is shut down")
+        if address.peer_id == self.peer_id:
+            raise ValidationError(f"{address} is our own address")
+        conn = self._new_connection(is_dialer=True, expected_peer_id=address.peer_id)
+        try:
+            async with asyncio.timeout(self.dial_timeout):
+                if address.is_relayed:
+                    if self.relay_client is None:
+                        raise PeerUnreachable(f"{address} is relayed but relaying is not set up")
+                    await self.relay_client.dial_via_relay(address, conn)
+                else:
+                    await self._backend.dial(address, conn)
+                await conn.handshake_done
+        except TimeoutError:
+            conn.abort(HandshakeError(f"handshake with {address} timed out"))
+            raise PeerUnreachable(f"{address} did not answer within {self.dial_timeout} s") from None
+        except OSError as e:
+            conn.abort(PeerUnreachable(str(e)))
+            raise PeerUnreachable(f"cannot connect to {address}: {e}") from None
+        except BaseException as e:
+            conn.abort(e if isinstance(e, SwarmgradError) else ConnectionClosed(repr(e)))
+            raise
+        return conn
+
+    def _new_connection(self, *, is_dialer: bool, expected_peer_id: PeerID | None = None):
+        conn = Connection(
+            self.identity,
+            is_dialer=is_dialer,
+            expected_peer_id=expected_peer_id,
+            on_stream=self._on_stream,
+            on_close=self._on_connection_closed,
+        )
+        self._all_connections.add(conn)
+        conn.handshake_done.add_done_callback(lambda f: self._on_handshake(conn, f))
+        return conn
+
+    def _make_inbound_connection(self) -> Connection:
+        """Protocol factory for listeners: a connection with a handshake watchdog."""
+        conn = self._new_connection(is_dialer=False)
+        if len(self._all_connections) > self.max_connections or self._closed:
+            asyncio.get_running_loop().call_soon(
+                conn.abort, ConnectionClosed("too many connections")
+            )
+            return conn
+        timer = asyncio.get_running_loop().call_later(
+            self.handshake_timeout,
+            self._handshake_deadline,
+            conn,
+        )
+        conn.handshake_done.add_done_callback(lambda _: timer.cancel())
+        return conn
+
+    def _handshake_deadline(self, conn: Connection) -> None:
+        if not conn.handshake_done.done():
+            logger.debug("inbound handshake from %s timed out", conn.remote_address)
+            conn.abort(HandshakeError(f"handshake not finished in {self.handshake_timeout} s"))
+
+    def _on_handshake(self, conn: Connection, future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        peer_id = future.result()
+        if self._closed:
+            conn.close("peer is shutting down")
+            return
+        self._connections[peer_id] = conn
+
+    def _on_connection_closed(self, conn: Connection) -> None:
+        self._all_connections.discard(conn)
+        if conn.remote_peer_id is not None and self._connections.get(conn.remote_peer_id) is conn:
+            del self._connections[conn.remote_peer_id]
+
+    # ------------------------------------------------------------------ inbound streams
+
+    def _on_stream(self, stream: Stream) -> None:
+        self._spawn(self._serve_stream(stream))
+
+    async def _serve_stream(self, stream: Stream) -> None:
+        header = stream.header
+        if header.startswith(RAW_PROTOCOL_PREFIX):
+            name = header[len(RAW_PROTOCOL_PREFIX) :].decode("utf-8", "replace")
+            fn = self._raw_protocols.get(name)
+            if fn is None:
+                stream.reset(f"unknown protocol {name!r}")
+                return
+            try:
+                await fn(stream)
+            except SwarmgradError as e:
+                logger.debug("protocol %r with %s failed: %s", name, stream.remote_peer_id, e)
+                stream.reset(str(e))
+            return
+        try:
+            name, timeout = rpc.parse_call_header(header)
+        except ProtocolViolation as e:
+            stream.reset(str(e))
+            return
+        remote = stream.remote_peer_id
+        refuse = None
+        if self._inflight[remote] >= self.max_concurrent_calls_per_peer:
+            refuse = (
+                f"{remote} already has {self._inflight[remote]} calls in flight on "
+                f"{self.peer_id} (limit {self.max_concurrent_calls_per_peer})"
+            )
+        self._inflight[remote] += 1
+        try:
+            await rpc.serve_call(
+                stream,
+                self._handlers.get(name),
+                handler_name=name,
+                timeout=timeout,
+                max_message_size=self.max_message_size,
+                refuse_reason=refuse,
+            )
+        finally:
+            self._inflight[remote] -= 1
+            if self._inflight[remote] <= 0:
+                del self._inflight[remote]
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ outbound calls
+
+    async def open_stream(self, peer: PeerID | str | Multiaddr, protocol: str) -> Stream:
+        """Open a raw stream for a custom protocol registered with add_protocol_handler."""
+        conn = await self._get_connection(peer)
+        return conn.open_stream(RAW_PROTOCOL_PREFIX + protocol.encode())
+
+    async def call(
+        self,
+        peer: PeerID | str | Multiaddr,
+        name: str,
+        request: Any,
+        *,
+        timeout: float | None = None,
+    ) -> Any:
+        """Unary call: one request, one response. Raises DeadlineExceeded after timeout
+        seconds (the remote handler is cancelled too) and RemoteError subclasses for the
+        handler's own errors."""
+
+        async def run() -> Any:
+            conn = await self._get_connection(peer)
+            stream = conn.open_stream(rpc.call_header(name, timeout))
+            responses = rpc.iterate_responses(
+                stream, (request,), max_message_size=self.max_message_size
+            )
+            try:
+                return await rpc.unary_result(responses, name, conn.remote_peer_id)
+            finally:
+                await responses.aclose()
+
+        return await rpc.with_deadline(run(), timeout, f"call {name!r} to {peer}")
+
+    async def iterate(
+        self,
+        peer: PeerID | str | Multiaddr,
+        name: str,
+        requests: Any,
+        *,
+        timeout: float | None = None,
+        stream_input: bool | None = None,
+    ) -> AsyncIterator[Any]:
+        """Streaming call: send ``requests`` (one object, or an iterable / async iterable of
+        them when stream_input) and yield the responses as they arrive."""
+        if stream_input is None:
+            stream_input = hasattr(requests, "__aiter__") or isinstance(requests, list | tuple)
+        if not stream_input:
+            requests = (requests,)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        what = f"call {name!r} to {peer}"
+        conn = await rpc.with_deadline(self._get_connection(peer), timeout, what)
+        stream = conn.open_stream(rpc.call_header(name, timeout))
+        responses = rpc.iterate_responses(stream, requests, max_message_size=self.max_message_size)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        response = await anext(responses)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise DeadlineExceeded(f"{what} did not finish within {timeout} s") from None
+                yield response
+        finally:
+            await responses.aclose()
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def shutdown(self) -> None:
+        """Close listeners, connections and every task this peer started."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.relay_client is not None:
+            await self.relay_client.close()
+        await self._backend.close()
+        for pending in list(self._dialing.values()):
+            pending.cancel()
+        for conn in list(self._all_connections):
+            conn.close("peer is shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._dialing.values(), return_exceptions=True)
+        # Let transports deliver their close before the caller tears the loop down.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        with contextlib.suppress(Exception):
+            self._connections.clear()
+
+    async def __aenter__(self) -> Peer:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()

@@ -1,0 +1,393 @@
+"""Remote procedure calls over multiplexed streams.
+
+One call is one stream. The caller opens it with a small header (handler name, timeout),
+sends one request message or a stream of them, and closes its writing side; the handler
+answers with one message or a stream of them, then FIN. A handler's exception travels
+back as an error message and is raised on the caller as a typed :class:`RemoteError`.
+Cancelling the caller (or its deadline) resets the stream, which cancels the handler;
+a handler that gives up resets the stream, which fails the caller.
+
+Message layout on the stream: ``u32 meta_len | msgpack meta | raw buffers...``. ``meta`` is
+``[kind, body, [buffer lengths]]``. :class:`Blob` values anywhere in ``body`` travel as raw
+out-of-band buffers, never copied into msgpack and received straight into their own
+memory: that is how tensors move. They arrive as writable ``bytearray``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from swarmgrad.net.framing import ResetCode
+from swarmgrad.net.identity import PeerID
+from swarmgrad.net.mux import Stream
+from swarmgrad.utils.errors import (
+    ConnectionClosed,
+    DeadlineExceeded,
+    FrameTooLarge,
+    Overloaded,
+    ProtocolViolation,
+    RemoteError,
+    SwarmgradError,
+    UnknownHandler,
+)
+
+logger = logging.getLogger(__name__)
+
+_META_LEN = struct.Struct(">I")
+_BLOB_EXT = 1
+MAX_META_SIZE = 16 * 1024 * 1024
+DEFAULT_MAX_MESSAGE_SIZE = 1024 * 1024 * 1024
+_KIND_MESSAGE, _KIND_ERROR = 0, 1
+_SMALL_BLOB = 4096  # blobs below this are inlined into the meta write
+
+
+class Blob:
+    """Marks a buffer to be sent out-of-band (zero-copy); the receiver gets a bytearray."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: bytes | bytearray | memoryview):
+        self.buffer = memoryview(buffer).cast("B")
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+    def __repr__(self) -> str:
+        return f"Blob({len(self.buffer)} bytes)"
+
+
+# ------------------------------------------------------------------------ message codec
+
+
+def encode_message(body: Any, kind: int = _KIND_MESSAGE) -> list[bytes | memoryview]:
+    """Encode a message into buffers to write in order (Blob contents are not copied)."""
+    blobs: list[memoryview] = []
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, Blob):
+            blobs.append(obj.buffer)
+            return msgpack.ExtType(_BLOB_EXT, _META_LEN.pack(len(blobs) - 1))
+        if isinstance(obj, PeerID):
+            return obj.to_bytes()
+        raise TypeError(f"cannot send an object of type {type(obj).__name__} in an RPC message")
+
+    packed_body = msgpack.packb(body, default=default, use_bin_type=True)
+    meta = msgpack.packb([kind, [len(b) for b in blobs]]) + packed_body
+    if len(meta) > MAX_META_SIZE:
+        raise FrameTooLarge(
+            f"message metadata of {len(meta)} bytes exceeds {MAX_META_SIZE}; wrap large "
+            f"buffers in Blob so they travel out of band"
+        )
+    head = _META_LEN.pack(len(meta)) + meta
+    if sum(len(b) for b in blobs) <= _SMALL_BLOB:
+        return [head + b"".join(blobs)]
+    return [head, *blobs]
+
+
+async def write_message(stream: Stream, body: Any, kind: int = _KIND_MESSAGE) -> None:
+    for part in encode_message(body, kind):
+        await stream.write(part)
+
+
+async def read_message(stream: Stream, max_size: int) -> tuple[int, Any] | None:
+    """Read one message; None at a clean end of stream."""
+    first = await stream.read(_META_LEN.size)
+    if not first:
+        return None
+    if len(first) < _META_LEN.size:
+        first += await stream.readexactly(_META_LEN.size - len(first))
+    (meta_len,) = _META_LEN.unpack(first)
+    limit = min(MAX_META_SIZE, max_size)
+    if meta_len > limit:
+        raise FrameTooLarge(
+            f"message metadata of {meta_len} bytes from {stream.remote_peer_id} exceeds the "
+            f"limit of {limit} bytes"
+        )
+    meta = await stream.readexactly(meta_len)
+    buffers: list[bytearray] = []
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code != _BLOB_EXT or len(data) != _META_LEN.size:
+            raise ProtocolViolation(f"unknown msgpack extension type {code} in an RPC message")
+        (index,) = _META_LEN.unpack(data)
+        if index >= len(buffers):
+            raise ProtocolViolation(f"message refers to buffer {index} of {len(buffers)}")
+        return buffers[index]
+
+    unpacker = msgpack.Unpacker(
+        raw=False, ext_hook=ext_hook, strict_map_key=False, max_buffer_size=meta_len
+    )
+    unpacker.feed(meta)
+    try:
+        kind, lengths = unpacker.unpack()
+        if not isinstance(lengths, list) or not all(
+            isinstance(n, int) and n >= 0 for n in lengths
+        ):
+            raise ValueError("buffer lengths must be a list of non-negative integers")
+        total = sum(lengths)
+        if total + meta_len > max_size:
+            raise FrameTooLarge(
+                f"message of {total + meta_len} bytes from {stream.remote_peer_id} exceeds "
+                f"the limit of {max_size} bytes"
+            )
+        for length in lengths:
+            buffer = bytearray(length)
+            await stream.readexactly_into(buffer)
+            buffers.append(buffer)
+        body = unpacker.unpack()
+    except (ValueError, TypeError, msgpack.OutOfData, msgpack.FormatError) as e:
+        raise ProtocolViolation(f"malformed RPC message from {stream.remote_peer_id}: {e}") from e
+    return kind, body
+
+
+# ------------------------------------------------------------------------ handlers
+
+
+@dataclass
+class RPCContext:
+    """What a handler knows about the call it serves (hivemind calls it P2PContext)."""
+
+    remote_id: PeerID
+    handler_name: str
+    deadline: float | None  # loop time, or None
+    stream: Stream
+
+
+@dataclass(frozen=True)
+class Handler:
+    name: str
+    fn: Callable[..., Any]
+    stream_input: bool
+    stream_output: bool
+
+
+_ERROR_TYPES: dict[str, type[RemoteError]] = {
+    "UnknownHandler": UnknownHandler,
+    "Overloaded": Overloaded,
+}
+
+
+def remote_error(body: Any, peer: PeerID) -> RemoteError:
+    if not isinstance(body, dict):
+        return RemoteError(f"malformed error reply: {body!r}", peer=peer)
+    remote_type = str(body.get("type", "Exception"))
+    cls = _ERROR_TYPES.get(remote_type, RemoteError)
+    return cls(str(body.get("message", "")), remote_type=remote_type, peer=peer)
+
+
+async def _incoming_requests(stream: Stream, max_size: int) -> AsyncIterator[Any]:
+    while True:
+        message = await read_message(stream, max_size)
+        if message is None:
+            return
+        kind, body = message
+        if kind != _KIND_MESSAGE:
+            raise ProtocolViolation(f"caller {stream.remote_peer_id} sent message kind {kind}")
+        yield body
+
+
+async def serve_call(
+    stream: Stream,
+    handler: Handler | None,
+    *,
+    handler_name: str,
+    timeout: float | None,
+    max_message_size: int,
+    refuse_reason: str | None = None,
+) -> None:
+    """Run one inbound call on its stream; never raises (errors go to the caller)."""
+    peer = stream.remote_peer_id
+    try:
+        if handler is None or refuse_reason is not None:
+            error_type = "UnknownHandler" if handler is None else "Overloaded"
+            message = refuse_reason or f"no handler named {handler_name!r} on this peer"
+            await write_message(stream, {"type": error_type, "message": message}, _KIND_ERROR)
+            await stream.close_write()
+            return
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        context = RPCContext(peer, handler_name, deadline, stream)
+        work = asyncio.ensure_future(_run_handler(stream, handler, context, max_message_size))
+        reset_watch = asyncio.ensure_future(stream.wait_failed())
+        try:
+            async with asyncio.timeout_at(deadline):
+                await asyncio.wait({work, reset_watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, reset_watch):
+                task.cancel()
+            await asyncio.gather(work, reset_watch, return_exceptions=True)
+        if work.done() and not work.cancelled() and work.exception() is not None:
+            raise work.exception()
+    except TimeoutError:
+        stream.reset(f"handler {handler_name!r} exceeded its deadline of {timeout} s")
+    except (ConnectionClosed, ProtocolViolation) as e:
+        logger.debug("call %r from %s failed: %s", handler_name, peer, e)
+        code = ResetCode.PROTOCOL_ERROR if isinstance(e, ProtocolViolation) else ResetCode.CANCELLED
+        stream.reset(str(e), code)
+    except Exception as e:
+        logger.exception("internal error serving %r for %s", handler_name, peer)
+        stream.reset(f"internal error: {e!r}", ResetCode.INTERNAL)
+
+
+async def _run_handler(
+    stream: Stream, handler: Handler, context: RPCContext, max_message_size: int
+) -> None:
+    requests = _incoming_requests(stream, max_message_size)
+    try:
+        if handler.stream_input:
+            argument: Any = requests
+        else:
+            argument = await _single(requests, stream, handler.name)
+        try:
+            if handler.stream_output:
+                async for item in handler.fn(argument, context):
+                    await write_message(stream, item)
+            else:
+                await write_message(stream, await handler.fn(argument, context))
+        except (ConnectionClosed, asyncio.CancelledError):
+            raise
+        except Exception as e:  # the handler's own failure: report it to the caller
+            if isinstance(e, ProtocolViolation) and handler.stream_input:
+                raise
+            logger.debug("handler %r raised for %s: %r", handler.name, context.remote_id, e)
+            body = {"type": type(e).__name__, "message": str(e)}
+            await write_message(stream, body, _KIND_ERROR)
+        await stream.close_write()
+    finally:
+        await requests.aclose()
+
+
+async def _single(requests: AsyncIterator[Any], stream: Stream, name: str) -> Any:
+    try:
+        first = await anext(requests)
+    except StopAsyncIteration:
+        raise ProtocolViolation(f"call {name!r} from {stream.remote_peer_id} sent no request")
+    try:
+        await anext(requests)
+    except StopAsyncIteration:
+        return first
+    raise ProtocolViolation(f"unary call {name!r} from {stream.remote_peer_id} sent 2+ requests")
+
+
+# ------------------------------------------------------------------------ calling
+
+
+def call_header(name: str, timeout: float | None) -> bytes:
+    return msgpack.packb({"h": name, "t": timeout})
+
+
+def parse_call_header(header: bytes) -> tuple[str, float | None]:
+    try:
+        raw = msgpack.unpackb(header, raw=False)
+        name, timeout = raw["h"], raw.get("t")
+        if not isinstance(name, str) or not (
+            timeout is None or (isinstance(timeout, int | float) and timeout > 0)
+        ):
+            raise ValueError(f"bad handler name {name!r} or timeout {timeout!r}")
+    except Exception as e:
+        raise ProtocolViolation(f"malformed call header: {e}") from None
+    return name, float(timeout) if timeout is not None else None
+
+
+async def _send_requests(stream: Stream, requests: Any) -> None:
+    if hasattr(requests, "__aiter__"):
+        async for request in requests:
+            await write_message(stream, request)
+    else:
+        for request in requests:
+            await write_message(stream, request)
+    await stream.close_write()
+
+
+async def iterate_responses(
+    stream: Stream, requests: Any, *, max_message_size: int
+) -> AsyncIterator[Any]:
+    """Send requests (an iterable or async iterable) and yield each response.
+
+    The stream is reset if the consumer stops early or is cancelled."""
+    peer = stream.remote_peer_id
+    sender = asyncio.ensure_future(_send_requests(stream, requests))
+    finished = False
+    try:
+        while True:
+            if sender.done() and sender.exception() is not None:
+                raise sender.exception()
+            message = await read_message(stream, max_message_size)
+            if message is None:
+                finished = True
+                break
+            kind, body = message
+            if kind == _KIND_ERROR:
+                finished = True
+                raise remote_error(body, peer)
+            yield body
+        await sender
+    finally:
+        if not sender.done():
+            sender.cancel()
+        with contextlib.suppress(BaseException):
+            await sender
+        if not finished or not stream.closed:
+            stream.reset("caller stopped reading")
+
+
+async def unary_result(responses: AsyncIterator[Any], name: str, peer: PeerID) -> Any:
+    results = []
+    async for response in responses:
+        results.append(response)
+    if len(results) != 1:
+        raise ProtocolViolation(f"{peer} answered {len(results)} messages to unary call {name!r}")
+    return results[0]
+
+
+async def with_deadline(awaitable: Awaitable[Any], timeout: float | None, what: str) -> Any:
+    try:
+        async with asyncio.timeout(timeout):
+            return await awaitable
+    except TimeoutError:
+        raise DeadlineExceeded(f"{what} did not finish within {timeout} s") from None
+
+
+# ------------------------------------------------------------------------ servicers
+
+
+class ServicerBase:
+    """A class whose ``rpc_*`` coroutine methods become handlers (hivemind's style).
+
+    ``async def rpc_x(self, request, context)`` is unary; an ``async def`` generator is
+    stream-output; a ``request`` parameter annotated with ``AsyncIterator`` is stream-input.
+    Handlers register under ``"<namespace>.<ServicerClass>.rpc_x"`` unless a name is given.
+    """
+
+    def rpc_handlers(self, namespace: str | None = None) -> list[Handler]:
+        handlers = []
+        prefix = f"{namespace}." if namespace else ""
+        for attr in sorted(dir(type(self))):
+            if not attr.startswith("rpc_"):
+                continue
+            fn = getattr(self, attr)
+            stream_output = inspect.isasyncgenfunction(fn)
+            params = list(inspect.signature(fn).parameters.values())
+            annotation = params[0].annotation if params else inspect.Parameter.empty
+            stream_input = "AsyncIterator" in str(annotation) or "AsyncIterable" in str(annotation)
+            name = f"{prefix}{type(self).__name__}.{attr}"
+            handlers.append(Handler(name, fn, stream_input, stream_output))
+        return handlers
+
+
+__all__ = [
+    "Blob",
+    "Handler",
+    "RPCContext",
+    "ServicerBase",
+    "SwarmgradError",
+]

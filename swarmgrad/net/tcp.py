@@ -1,0 +1,68 @@
+"""Real network backend: TCP sockets, each wrapped in TLS 1.3 bound to the peer identity."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from swarmgrad.net.identity import Identity
+from swarmgrad.net.multiaddr import Multiaddr
+from swarmgrad.net.secure import TLSLayer
+from swarmgrad.net.tls import client_ssl_context, server_ssl_context
+
+ProtocolFactory = Callable[[], asyncio.BaseProtocol]
+
+
+def _tune(sock: socket.socket | None) -> None:
+    if sock is None:
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TCPBackend:
+    """Listens and dials with TLS; the upper protocol (a mux Connection) never sees TCP."""
+
+    def __init__(self, identity: Identity):
+        self._identity = identity
+        self._servers: list[asyncio.base_events.Server] = []
+
+    async def listen(self, maddr: Multiaddr, upper_factory: ProtocolFactory) -> list[Multiaddr]:
+        loop = asyncio.get_running_loop()
+        context = server_ssl_context(self._identity)
+
+        def factory() -> TLSLayer:
+            return TLSLayer(context, upper_factory(), server_side=True)
+
+        server = await loop.create_server(
+            factory, maddr.host, maddr.port, reuse_address=True, backlog=1024
+        )
+        self._servers.append(server)
+        bound = []
+        for sock in server.sockets:
+            host, port = sock.getsockname()[:2]
+            bound.append(Multiaddr.from_host_port(host, port))
+        return bound
+
+    async def dial(self, maddr: Multiaddr, upper: asyncio.BaseProtocol) -> TLSLayer:
+        loop = asyncio.get_running_loop()
+        layer = TLSLayer(client_ssl_context(self._identity), upper, server_side=False)
+        transport, _ = await loop.create_connection(lambda: layer, maddr.host, maddr.port)
+        _tune(transport.get_extra_info("socket"))
+        return layer
+
+    def wrap_relayed(self, transport: Any, upper: asyncio.BaseProtocol, *, server_side: bool):
+        """TLS over a stream relayed by a third peer: the relay sees only ciphertext."""
+        context = server_ssl_context(self._identity) if server_side else client_ssl_context(
+            self._identity
+        )
+        layer = TLSLayer(context, upper, server_side=server_side)
+        return layer
+
+    async def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers.clear()
