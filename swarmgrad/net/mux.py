@@ -170,13 +170,14 @@ class Stream:
         if self._error is not None:
             raise self._error
 
-    async def wait_failed(self) -> None:
-        """Return once the stream is reset or its connection dies (never on a clean end)."""
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once if the stream is reset or its connection dies."""
         if self._error is not None:
+            self.conn._loop.call_soon(callback)
             return
         if self._failed is None:
             self._failed = self.conn._loop.create_future()
-        await asyncio.shield(self._failed)
+        self._failed.add_done_callback(lambda _: callback())
 
     # ---------------------------------------------------------------- reading (user side)
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-from swarmgrad.net import rpc
+from swarmgrad.net import relay, rpc
 from swarmgrad.net.identity import Identity, PeerID
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.mux import Connection, Stream
@@ -74,7 +74,8 @@ class Peer:
         self._tasks: set[asyncio.Task] = set()
         self._relayed_addrs: list[Multiaddr] = []
         self._closed = False
-        self.relay_client: Any = None  # set by the relay module in client mode
+        self.relay_client: relay.RelayClient | None = None  # reservations (client mode)
+        self.relay_service: relay.RelayService | None = None  # relaying for others
 
     # ------------------------------------------------------------------ construction
 
@@ -86,9 +87,18 @@ class Peer:
         identity_path: str | None = None,
         host_maddrs: Iterable[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
         backend: Any = None,
+        relays: Iterable[str | Multiaddr] = (),
+        allow_relay: bool = True,
+        relay_wait_timeout: float = 30.0,
         **kwargs: Any,
     ) -> Peer:
-        """Start a peer. With ``client_mode=True`` no listener is opened."""
+        """Start a peer.
+
+        With ``client_mode=True`` no listener is opened; the peer then keeps reservations on
+        ``relays`` (public peers) so that others can call it through them, and waits up to
+        ``relay_wait_timeout`` for the first one. A public peer relays for others unless
+        ``allow_relay=False``.
+        """
         if identity is None:
             identity = (
                 Identity.load_or_create(identity_path) if identity_path else Identity.generate()
@@ -98,13 +108,19 @@ class Peer:
 
             backend = TCPBackend(identity)
         peer = cls(identity, backend, **kwargs)
-        if not peer.client_mode:
-            try:
+        try:
+            if not peer.client_mode:
                 for maddr in host_maddrs:
                     await peer.listen(maddr)
-            except BaseException:
-                await peer.shutdown()
-                raise
+                peer.relay_service = relay.RelayService(peer, allow_relay=allow_relay)
+            relay_addrs = [Multiaddr.parse(m) for m in relays]
+            if relay_addrs:
+                peer.relay_client = relay.RelayClient(peer, relay_addrs)
+                peer.relay_client.start()
+                await peer.relay_client.wait_ready(relay_wait_timeout)
+        except BaseException:
+            await peer.shutdown()
+            raise
         return peer
 
     async def listen(self, maddr: str | Multiaddr) -> list[Multiaddr]:
@@ -222,9 +238,7 @@ class Peer:
         try:
             async with asyncio.timeout(self.dial_timeout):
                 if address.is_relayed:
-                    if self.relay_client is None:
-                        raise PeerUnreachable(f"{address} is relayed but relaying is not set up")
-                    await self.relay_client.dial_via_relay(address, conn)
+                    await relay.dial_via_relay(self, address, conn)
                 else:
                     await self._backend.dial(address, conn)
                 await conn.handshake_done
@@ -259,13 +273,15 @@ class Peer:
                 conn.abort, ConnectionClosed("too many connections")
             )
             return conn
+        self._arm_handshake_watchdog(conn)
+        return conn
+
+    def _arm_handshake_watchdog(self, conn: Connection) -> None:
+        """Drop an inbound connection whose handshake does not finish in time (slowloris)."""
         timer = asyncio.get_running_loop().call_later(
-            self.handshake_timeout,
-            self._handshake_deadline,
-            conn,
+            self.handshake_timeout, self._handshake_deadline, conn
         )
         conn.handshake_done.add_done_callback(lambda _: timer.cancel())
-        return conn
 
     def _handshake_deadline(self, conn: Connection) -> None:
         if not conn.handshake_done.done():
@@ -360,13 +376,7 @@ class Peer:
         async def run() -> Any:
             conn = await self._get_connection(peer)
             stream = conn.open_stream(rpc.call_header(name, timeout))
-            responses = rpc.iterate_responses(
-                stream, (request,), max_message_size=self.max_message_size
-            )
-            try:
-                return await rpc.unary_result(responses, name, conn.remote_peer_id)
-            finally:
-                await responses.aclose()
+            return await rpc.unary_call(stream, request, name, self.max_message_size)
 
         return await rpc.with_deadline(run(), timeout, f"call {name!r} to {peer}")
 

@@ -217,16 +217,14 @@ async def serve_call(
         deadline = None if timeout is None else loop.time() + timeout
         context = RPCContext(peer, handler_name, deadline, stream)
         work = asyncio.ensure_future(_run_handler(stream, handler, context, max_message_size))
-        reset_watch = asyncio.ensure_future(stream.wait_failed())
+        stream.on_failure(work.cancel)  # the caller reset the stream: stop working for it
         try:
             async with asyncio.timeout_at(deadline):
-                await asyncio.wait({work, reset_watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (work, reset_watch):
-                task.cancel()
-            await asyncio.gather(work, reset_watch, return_exceptions=True)
-        if work.done() and not work.cancelled() and work.exception() is not None:
-            raise work.exception()
+                await work
+        except asyncio.CancelledError:
+            if not work.cancelled() or asyncio.current_task().cancelling():
+                raise  # we are being cancelled ourselves (peer shutdown)
+            # the caller went away; the stream is already reset
     except TimeoutError:
         stream.reset(f"handler {handler_name!r} exceeded its deadline of {timeout} s")
     except (ConnectionClosed, ProtocolViolation) as e:
@@ -338,6 +336,29 @@ async def iterate_responses(
             await sender
         if not finished or not stream.closed:
             stream.reset("caller stopped reading")
+
+
+async def unary_call(stream: Stream, request: Any, name: str, max_message_size: int) -> Any:
+    """Client side of a unary call on a freshly opened stream (no helper tasks: this is the
+    hot path of small RPCs). The stream is reset unless the call completes cleanly."""
+    peer = stream.remote_peer_id
+    done = False
+    try:
+        await write_message(stream, request)
+        await stream.close_write()
+        message = await read_message(stream, max_message_size)
+        if message is None:
+            raise ProtocolViolation(f"{peer} closed call {name!r} without answering")
+        kind, body = message
+        if await read_message(stream, max_message_size) is not None:
+            raise ProtocolViolation(f"{peer} answered unary call {name!r} with 2+ messages")
+        done = True
+        if kind == _KIND_ERROR:
+            raise remote_error(body, peer)
+        return body
+    finally:
+        if not done:
+            stream.reset(f"caller abandoned call {name!r}")
 
 
 async def unary_result(responses: AsyncIterator[Any], name: str, peer: PeerID) -> Any:

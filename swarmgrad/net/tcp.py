@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable
-from typing import Any
 
 from swarmgrad.net.identity import Identity
 from swarmgrad.net.multiaddr import Multiaddr
@@ -13,12 +11,6 @@ from swarmgrad.net.secure import TLSLayer
 from swarmgrad.net.tls import client_ssl_context, server_ssl_context
 
 ProtocolFactory = Callable[[], asyncio.BaseProtocol]
-
-
-def _tune(sock: socket.socket | None) -> None:
-    if sock is None:
-        return
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class TCPBackend:
@@ -48,17 +40,13 @@ class TCPBackend:
     async def dial(self, maddr: Multiaddr, upper: asyncio.BaseProtocol) -> TLSLayer:
         loop = asyncio.get_running_loop()
         layer = TLSLayer(client_ssl_context(self._identity), upper, server_side=False)
-        transport, _ = await loop.create_connection(lambda: layer, maddr.host, maddr.port)
-        _tune(transport.get_extra_info("socket"))
+        await loop.create_connection(lambda: layer, maddr.host, maddr.port)
         return layer
 
-    def wrap_relayed(self, transport: Any, upper: asyncio.BaseProtocol, *, server_side: bool):
+    def wrap_relayed(self, upper: asyncio.BaseProtocol, *, server_side: bool) -> TLSLayer:
         """TLS over a stream relayed by a third peer: the relay sees only ciphertext."""
-        context = server_ssl_context(self._identity) if server_side else client_ssl_context(
-            self._identity
-        )
-        layer = TLSLayer(context, upper, server_side=server_side)
-        return layer
+        make_context = server_ssl_context if server_side else client_ssl_context
+        return TLSLayer(make_context(self._identity), upper, server_side=server_side)
 
     async def close(self) -> None:
         for server in self._servers:
