@@ -1,0 +1,198 @@
+"""TLS 1.3 credentials bound to a peer's ed25519 identity.
+
+Each peer presents an X.509 certificate self-signed with its identity key. In TLS 1.3 the
+server signs the handshake transcript with that key (CertificateVerify), so a dialer
+that reads the certificate (:func:`peer_id_from_certificate`) learns a PeerID that the
+other side has just proven to hold. There is no certificate authority and no host name
+check: the dialer pins the PeerID it expected instead.
+
+The stdlib server cannot ask for a client certificate without also verifying it against
+a CA, so the accepting side does not learn the dialer's identity from TLS; the connection
+handshake above TLS proves it (a signature naming both peers).
+
+SSL contexts are cached per identity: building one (and loading its key) is slow, and a
+context can be shared by any number of connections.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import ssl
+import tempfile
+import threading
+from collections import OrderedDict
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, rsa
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.x509.oid import NameOID, SignatureAlgorithmOID
+
+from swarmgrad.net.identity import Identity, PeerID
+from swarmgrad.utils.errors import HandshakeError
+
+__all__ = [
+    "ALPN_PROTOCOL",
+    "client_ssl_context",
+    "make_self_signed_certificate",
+    "peer_id_from_certificate",
+    "peer_id_from_ssl_object",
+    "server_ssl_context",
+]
+
+ALPN_PROTOCOL = "swarmgrad/1"
+"""The ALPN protocol id both sides offer."""
+
+# Volunteers' clocks disagree: make certificates valid well before and long after now.
+_NOT_BEFORE_SLACK = datetime.timedelta(days=1)
+_VALIDITY = datetime.timedelta(days=3650)
+_CONTEXT_CACHE_SIZE = 32
+
+_cache_lock = threading.Lock()
+_context_cache: OrderedDict[tuple[bytes, bool], ssl.SSLContext] = OrderedDict()
+
+
+def make_self_signed_certificate(identity: Identity) -> tuple[bytes, bytes]:
+    """A certificate for ``identity``, self-signed with its ed25519 key.
+
+    Returns ``(cert_pem, key_pem)``; the key is the identity's private key in
+    unencrypted PKCS#8 PEM. The subject is the PeerID, for humans reading the cert.
+    """
+    now = datetime.datetime.now(datetime.UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(identity.peer_id))])
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(identity.private_key.public_key())
+        .serial_number(secrets.randbits(63) + 1)
+        .not_valid_before(now - _NOT_BEFORE_SLACK)
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(identity.private_key, algorithm=None)  # ed25519 hashes internally
+    )
+    cert_pem = certificate.public_bytes(serialization.Encoding.PEM)
+    key_pem = identity.private_key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert_pem, key_pem
+
+
+def _load_identity_into(context: ssl.SSLContext, identity: Identity) -> None:
+    """``load_cert_chain`` only reads files: write the PEMs to a private temporary
+    directory (0700, file 0600) and remove it right after loading."""
+    cert_pem, key_pem = make_self_signed_certificate(identity)
+    with tempfile.TemporaryDirectory(prefix="swarmgrad-tls-") as directory:
+        path = os.path.join(directory, "identity.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key_pem + cert_pem)
+        try:
+            context.load_cert_chain(path)
+        finally:
+            os.unlink(path)
+
+
+def _make_context(identity: Identity, server_side: bool) -> ssl.SSLContext:
+    protocol = ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT
+    context = ssl.SSLContext(protocol)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.maximum_version = ssl.TLSVersion.TLSv1_3
+    # No CA and no host names: the dialer pins the PeerID proven by the certificate.
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols([ALPN_PROTOCOL])
+    if server_side:
+        # Peers never resume sessions; tickets would only cost bytes and, when the client
+        # closes right after the handshake, spurious connection-reset errors.
+        context.num_tickets = 0
+    _load_identity_into(context, identity)
+    return context
+
+
+def _cached_context(identity: Identity, server_side: bool) -> ssl.SSLContext:
+    key = (identity.peer_id.to_bytes(), server_side)
+    with _cache_lock:
+        context = _context_cache.get(key)
+        if context is not None:
+            _context_cache.move_to_end(key)
+            return context
+    context = _make_context(identity, server_side)
+    with _cache_lock:
+        context = _context_cache.setdefault(key, context)
+        _context_cache.move_to_end(key)
+        while len(_context_cache) > _CONTEXT_CACHE_SIZE:
+            _context_cache.popitem(last=False)
+    return context
+
+
+def server_ssl_context(identity: Identity) -> ssl.SSLContext:
+    """TLS 1.3 context for accepting connections as ``identity`` (cached)."""
+    return _cached_context(identity, server_side=True)
+
+
+def client_ssl_context(identity: Identity) -> ssl.SSLContext:
+    """TLS 1.3 context for dialing as ``identity`` (cached). It does not check the
+    server's certificate: call :func:`peer_id_from_certificate` and compare."""
+    return _cached_context(identity, server_side=False)
+
+
+def _describe_key(public_key: object) -> str:
+    if isinstance(public_key, rsa.RSAPublicKey):
+        return f"an RSA-{public_key.key_size} key"
+    if isinstance(public_key, ec.EllipticCurvePublicKey):
+        return f"an ECDSA {public_key.curve.name} key"
+    if isinstance(public_key, ed448.Ed448PublicKey):
+        return "an Ed448 key"
+    return f"a {type(public_key).__name__} key"
+
+
+def peer_id_from_certificate(der: bytes | None) -> PeerID:
+    """The PeerID proven by a peer's certificate (``getpeercert(binary_form=True)``).
+
+    Checks that the certificate is self-signed with an ed25519 key. Raises
+    HandshakeError otherwise: no certificate, garbage, another key type, a signature
+    by another key.
+    """
+    if not der:
+        raise HandshakeError("the peer presented no TLS certificate")
+    try:
+        certificate = x509.load_der_x509_certificate(bytes(der))
+    except ValueError as e:
+        raise HandshakeError(f"the peer's TLS certificate is not valid DER: {e}") from None
+    try:
+        public_key = certificate.public_key()
+    except (ValueError, UnsupportedAlgorithm) as e:
+        raise HandshakeError(f"cannot read the key of the peer's TLS certificate: {e}") from None
+    if not isinstance(public_key, Ed25519PublicKey):
+        raise HandshakeError(
+            f"the peer's TLS certificate holds {_describe_key(public_key)}, not an Ed25519 "
+            "key: it is not a swarmgrad peer"
+        )
+    if certificate.signature_algorithm_oid != SignatureAlgorithmOID.ED25519:
+        raise HandshakeError("the peer's TLS certificate is not signed with Ed25519")
+    if certificate.issuer != certificate.subject:
+        raise HandshakeError("the peer's TLS certificate is not self-signed")
+    try:
+        public_key.verify(certificate.signature, certificate.tbs_certificate_bytes)
+    except InvalidSignature:
+        raise HandshakeError(
+            "the peer's TLS certificate is not signed by its own key (bad self-signature)"
+        ) from None
+    return PeerID.from_public_key(public_key)
+
+
+def peer_id_from_ssl_object(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> PeerID:
+    """The PeerID proven by the remote side of an established TLS connection, e.g.
+    ``writer.get_extra_info("ssl_object")`` on the dialing side."""
+    if ssl_object is None:
+        raise HandshakeError("the connection is not a TLS connection")
+    version = ssl_object.version()
+    if version != "TLSv1.3":
+        raise HandshakeError(f"the connection uses {version}, swarmgrad needs TLSv1.3")
+    return peer_id_from_certificate(ssl_object.getpeercert(binary_form=True))
