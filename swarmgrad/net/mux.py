@@ -342,6 +342,9 @@ class Connection(asyncio.BufferedProtocol):
         self.handshake_done: asyncio.Future[PeerID] = self._loop.create_future()
         self.closed: asyncio.Future[BaseException | None] = self._loop.create_future()
         self.transport: Any = None
+        # The layer that will carry us once it is secured (e.g. TLS still handshaking):
+        # closing or aborting before connection_made must reach it.
+        self.carrier: Any = None
         self.remote_peer_id: PeerID | None = None
         self.remote_address: Any = None
         self.version: int | None = None
@@ -471,13 +474,15 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._send_control(FrameType.GOAWAY, 0, reason.encode()[:1024])
         self._teardown(ConnectionClosed(f"connection to {self._peer_name()} closed: {reason}"))
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport or self.carrier
+        if transport is not None:
+            transport.close()
 
     def abort(self, exc: BaseException) -> None:
         self._teardown(exc)
-        if self.transport is not None:
-            self.transport.abort()
+        transport = self.transport or self.carrier
+        if transport is not None:
+            transport.abort()
 
     # ------------------------------------------------------------------ sending
 

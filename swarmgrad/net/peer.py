@@ -221,13 +221,18 @@ class Peer:
         return await asyncio.shield(pending)
 
     async def _dial_any(self, addresses: tuple[Multiaddr, ...]) -> Connection:
-        errors = []
+        errors: list[BaseException] = []
         for address in addresses:
             try:
                 return await self._dial(address)
             except (OSError, SwarmgradError, TimeoutError) as e:
-                errors.append(f"{address}: {e}")
-        raise PeerUnreachable("could not reach any address: " + "; ".join(errors))
+                errors.append(e)
+        if len(errors) == 1:
+            raise errors[0]
+        raise PeerUnreachable(
+            "could not reach any address: "
+            + "; ".join(f"{a}: {e}" for a, e in zip(addresses, errors, strict=True))
+        )
 
     async def _dial(self, address: Multiaddr) -> Connection:
         if self._closed:

@@ -48,6 +48,8 @@ class TLSLayer(asyncio.BufferedProtocol):
     ):
         self._context = context
         self._upper = upper
+        if hasattr(upper, "carrier"):
+            upper.carrier = self  # lets the upper protocol abort us before it is connected
         self._server_side = server_side
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()

@@ -1,0 +1,47 @@
+"""Shared fixtures: run a coroutine on a fresh loop and prove it left nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+
+import pytest
+
+
+def _open_fds() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/fd")) if os.path.isdir("/proc/self/fd") else 0
+
+
+def run_checked(main, *, timeout: float = 60.0):
+    """Run ``main()`` on a new event loop; fail if tasks, threads or sockets leak."""
+    threads_before = {t.ident for t in threading.enumerate()}
+    fds_before = _open_fds()
+    leftovers: list[asyncio.Task] = []
+
+    async def wrapper():
+        async with asyncio.timeout(timeout):
+            result = await main()
+        for _ in range(20):  # let closing transports finish their callbacks
+            await asyncio.sleep(0)
+        current = asyncio.current_task()
+        leftovers.extend(t for t in asyncio.all_tasks() if t is not current and not t.done())
+        for task in leftovers:
+            task.cancel()
+        return result
+
+    result = asyncio.run(wrapper())
+    assert not leftovers, f"tasks left running: {leftovers}"
+    gc.collect()
+    new_threads = [
+        t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
+    ]
+    assert not new_threads, f"threads left running: {new_threads}"
+    assert _open_fds() <= fds_before, f"file descriptors leaked: {fds_before} -> {_open_fds()}"
+    return result
+
+
+@pytest.fixture
+def arun():
+    return run_checked

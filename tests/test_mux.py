@@ -1,0 +1,310 @@
+"""The multiplexed connection on an in-memory pipe: handshake, flow control, zero copy,
+resets and malformed input, without sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarmgrad.net import framing
+from swarmgrad.net.framing import FrameType
+from swarmgrad.net.identity import Identity
+from swarmgrad.net.mux import Connection
+from swarmgrad.utils.errors import (
+    ConnectionClosed,
+    FrameTooLarge,
+    PeerIDMismatch,
+    ProtocolViolation,
+    StreamReset,
+)
+
+
+class MemoryTransport:
+    """Half of an in-memory pipe that delivers writes on the next loop iteration."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.peer: MemoryTransport | None = None
+        self.protocol = None
+        self.closed = False
+        self.written = 0
+
+    def write(self, data):
+        if self.closed:
+            return
+        data = bytes(data)
+        self.written += len(data)
+        self.loop.call_soon(self.peer._deliver, data)
+
+    def writelines(self, buffers):
+        for b in buffers:
+            self.write(b)
+
+    def _deliver(self, data):
+        view = memoryview(data)
+        while len(view) and self.protocol is not None and not self.closed:
+            buf = self.protocol.get_buffer(len(view))
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            view = view[n:]
+            self.protocol.buffer_updated(n)
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.loop.call_soon(self.protocol.connection_lost, None)
+            if self.peer is not None:
+                self.loop.call_soon(self.peer._remote_closed)  # after data already sent
+
+    def _remote_closed(self):
+        if not self.closed and self.protocol is not None:
+            self.closed = True
+            self.protocol.connection_lost(None)
+
+    abort = close
+
+    def is_closing(self):
+        return self.closed
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": "memory"}.get(name, default)
+
+
+async def connected_pair(**kwargs):
+    loop = asyncio.get_running_loop()
+    a_id, b_id = Identity.generate(), Identity.generate()
+    accepted = []
+    a = Connection(a_id, is_dialer=True, expected_peer_id=b_id.peer_id, **kwargs)
+    b = Connection(b_id, is_dialer=False, on_stream=accepted.append, **kwargs)
+    ta, tb = MemoryTransport(loop), MemoryTransport(loop)
+    ta.peer, tb.peer = tb, ta
+    ta.protocol, tb.protocol = a, b
+    a.connection_made(ta)
+    b.connection_made(tb)
+    assert await a.handshake_done == b_id.peer_id
+    assert await b.handshake_done == a_id.peer_id
+    return a, b, accepted, ta
+
+
+async def settle():
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_handshake_authenticates_both_sides(arun):
+    async def main():
+        a, b, _, _ = await connected_pair()
+        assert a.is_alive and b.is_alive and a.version == 1
+        a.close()
+        await settle()
+
+    arun(main)
+
+
+def test_dialing_the_wrong_peer_fails_with_mismatch(arun):
+    async def main():
+        loop = asyncio.get_running_loop()
+        a = Connection(Identity.generate(), is_dialer=True,
+                       expected_peer_id=Identity.generate().peer_id)
+        b = Connection(Identity.generate(), is_dialer=False)
+        ta, tb = MemoryTransport(loop), MemoryTransport(loop)
+        ta.peer, tb.peer, ta.protocol, tb.protocol = tb, ta, a, b
+        a.connection_made(ta)
+        b.connection_made(tb)
+        with pytest.raises(PeerIDMismatch, match="but .* answered"):
+            await a.handshake_done
+        await settle()
+
+    arun(main)
+
+
+def test_streams_carry_data_both_ways_and_end_cleanly(arun):
+    async def main():
+        a, b, accepted, _ = await connected_pair()
+        s = a.open_stream(b"hello-header")
+        await s.write(b"ping" * 1000)
+        await s.close_write()
+        await settle()
+        (r,) = accepted
+        assert r.header == b"hello-header"
+        assert await r.readexactly(4000) == b"ping" * 1000
+        assert await r.read() == b""
+        await r.write_eof(b"pong")
+        assert await s.read() == b"pong"
+        assert await s.read() == b""
+        assert a.num_streams == 0 and b.num_streams == 0
+        a.close()
+        await settle()
+
+    arun(main)
+
+
+def test_slow_reader_blocks_only_its_own_stream(arun):
+    async def main():
+        window = 64 * 1024
+        a, b, accepted, ta = await connected_pair(initial_window=window, max_frame=16 * 1024)
+        slow = a.open_stream(b"slow")
+        fast = a.open_stream(b"fast")
+        writer = asyncio.ensure_future(slow.write(bytes(10 * window)))
+        await asyncio.sleep(0.05)
+        assert not writer.done(), "sender must wait for credit instead of buffering"
+        sent_while_blocked = ta.written
+        assert sent_while_blocked < 2 * window
+        await fast.write_eof(b"x" * 50_000)  # another stream is not blocked
+        await settle()
+        slow_r, fast_r = accepted
+        assert await fast_r.readexactly(50_000) == b"x" * 50_000
+        # now drain the slow stream; the writer finishes
+        received = await slow_r.readexactly(10 * window)
+        await writer
+        assert len(received) == 10 * window
+        a.close()
+        await settle()
+
+    arun(main)
+
+
+def test_readexactly_into_receives_large_payloads_in_place(arun):
+    async def main():
+        a, b, accepted, _ = await connected_pair(max_frame=256 * 1024)
+        s = a.open_stream()
+        await settle()
+        (r,) = accepted
+        target = bytearray(3 * 1024 * 1024)
+        reader = asyncio.ensure_future(r.readexactly_into(target))
+        payload = bytes(range(256)) * (len(target) // 256)
+        await s.write(payload)
+        await reader
+        assert target == payload
+        a.close()
+        await settle()
+
+    arun(main)
+
+
+def test_reset_mid_transfer_fails_the_reader_and_keeps_connection(arun):
+    async def main():
+        a, b, accepted, _ = await connected_pair()
+        s = a.open_stream()
+        await s.write(b"partial")
+        await settle()
+        (r,) = accepted
+        reader = asyncio.ensure_future(r.readexactly(100))
+        await settle()
+        s.reset("changed my mind")
+        with pytest.raises(StreamReset, match="changed my mind"):
+            await reader
+        s2 = a.open_stream()  # the connection keeps serving
+        await s2.write_eof(b"ok")
+        await settle()
+        assert await accepted[1].read() == b"ok"
+        a.close()
+        await settle()
+
+    arun(main)
+
+
+@pytest.mark.parametrize(
+    "garbage, error",
+    [
+        (framing.HEADER.pack(0, 1, 77, 0), "unknown frame type"),
+        (framing.encode_header(FrameType.DATA, 1, 10 * 1024 * 1024), "exceeds the limit"),
+        (framing.encode_header(FrameType.OPEN, 2, 0), "of our parity"),
+    ],
+)
+def test_malformed_frames_drop_only_that_connection(arun, garbage, error):
+    async def main():
+        a, b, _, ta = await connected_pair()
+        other_a, other_b, other_accepted, _ = await connected_pair()
+        ta.write(garbage)  # a (dialer) sends a malformed frame to b
+        await settle()
+        reason = await b.closed
+        assert isinstance(reason, ProtocolViolation) and error in str(reason)
+        s = other_a.open_stream()  # unrelated connections are unaffected
+        await s.write_eof(b"still fine")
+        await settle()
+        assert await other_accepted[0].read() == b"still fine"
+        other_a.close()
+        await settle()
+
+    arun(main)
+
+
+def test_too_large_frame_is_frame_too_large(arun):
+    async def main():
+        a, b, _, ta = await connected_pair(max_frame=4096)
+        ta.write(framing.encode_header(FrameType.DATA, 1, 5000))
+        await settle()
+        assert isinstance(await b.closed, FrameTooLarge)
+
+    arun(main)
+
+
+def test_sender_beyond_credit_is_a_protocol_violation(arun):
+    async def main():
+        a, b, accepted, ta = await connected_pair(initial_window=4096)
+        s = a.open_stream()
+        await settle()
+        ta.write(framing.encode_header(FrameType.DATA, s.stream_id, 5000) + bytes(5000))
+        await settle()
+        reason = await b.closed
+        assert "beyond the credit" in str(reason)
+
+    arun(main)
+
+
+def test_data_before_handshake_is_refused(arun):
+    async def main():
+        loop = asyncio.get_running_loop()
+        b = Connection(Identity.generate(), is_dialer=False)
+        tb = MemoryTransport(loop)
+        tb.peer = MemoryTransport(loop)
+        tb.protocol = b
+        b.connection_made(tb)
+        raw = framing.encode_header(FrameType.OPEN, 1, 0)
+        buf = b.get_buffer(len(raw))
+        buf[: len(raw)] = raw
+        b.buffer_updated(len(raw))
+        with pytest.raises(ProtocolViolation, match="before the handshake"):
+            await b.handshake_done
+
+    arun(main)
+
+
+def test_closing_connection_fails_pending_reads(arun):
+    async def main():
+        a, b, accepted, _ = await connected_pair()
+        s = a.open_stream()
+        await settle()
+        reader = asyncio.ensure_future(accepted[0].read())
+        await settle()
+        a.close()
+        with pytest.raises(ConnectionClosed):
+            await reader
+        with pytest.raises(ConnectionClosed):
+            await s.write(b"x")
+
+    arun(main)
+
+
+def test_incompatible_version_is_a_clear_error_not_a_hang(arun):
+    import dataclasses
+
+    from swarmgrad.utils.errors import IncompatibleVersion
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a = Connection(Identity.generate(), is_dialer=True)
+        b = Connection(Identity.generate(), is_dialer=False)
+        b._our_hello = dataclasses.replace(b._our_hello, version=7, min_version=5)
+        ta, tb = MemoryTransport(loop), MemoryTransport(loop)
+        ta.peer, tb.peer, ta.protocol, tb.protocol = tb, ta, a, b
+        a.connection_made(ta)
+        b.connection_made(tb)
+        for side in (a, b):
+            with pytest.raises(IncompatibleVersion, match=r"5\.\.7"):
+                await side.handshake_done
+        await settle()
+
+    arun(main)
