@@ -93,8 +93,7 @@ def _ours_server(addr_queue: mp.Queue, total: int, stop: mp.Event) -> None:
         peer.add_protocol_handler("bench.sink", sink)
         peer.add_handler("bench.echo", echo)
         addr_queue.put(str(peer.get_visible_maddrs()[0]))
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         await peer.shutdown()
 
     _run(main())
@@ -188,8 +187,10 @@ def main() -> None:
     }
     print(f"bulk {args.mib} MiB, median of {args.repeats} runs")
     print(f"  raw sockets (plaintext)   {raw_gbps:7.3f} GB/s   runs {[round(x, 2) for x in raw]}")
-    print(f"  swarmgrad (TLS 1.3, mux)  {ours_gbps:7.3f} GB/s   runs "
-          f"{[round(x, 2) for x in ours['bulk']]}")
+    print(
+        f"  swarmgrad (TLS 1.3, mux)  {ours_gbps:7.3f} GB/s   runs "
+        f"{[round(x, 2) for x in ours['bulk']]}"
+    )
     print(f"  ratio ours / raw          {result['bulk_ratio_vs_raw']:7.3f}   (target >= 0.40)")
     print("RPC 100-byte echo between two processes")
     print(f"  p50 {result['rpc_p50_us']} us (target <= 200), p99 {result['rpc_p99_us']} us")

@@ -1,6 +1,6 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-import pytest
 
 from swarmgrad.net import framing
 from swarmgrad.net.framing import FrameType

@@ -105,14 +105,15 @@ def test_handshake_authenticates_both_sides(arun):
 def test_dialing_the_wrong_peer_fails_with_mismatch(arun):
     async def main():
         loop = asyncio.get_running_loop()
-        a = Connection(Identity.generate(), is_dialer=True,
-                       expected_peer_id=Identity.generate().peer_id)
+        a = Connection(
+            Identity.generate(), is_dialer=True, expected_peer_id=Identity.generate().peer_id
+        )
         b = Connection(Identity.generate(), is_dialer=False)
         ta, tb = MemoryTransport(loop), MemoryTransport(loop)
         ta.peer, tb.peer, ta.protocol, tb.protocol = tb, ta, a, b
         a.connection_made(ta)
         b.connection_made(tb)
-        with pytest.raises(PeerIDMismatch, match="but .* answered"):
+        with pytest.raises(PeerIDMismatch, match=r"but .* answered"):
             await a.handshake_done
         await settle()
 

@@ -116,7 +116,7 @@ def test_remote_errors_are_typed_and_carry_the_message(arun):
             raise KeyError(f"no expert {request!r}")
 
         server.add_handler("broken", broken)
-        with pytest.raises(RemoteError, match="no expert 'ffn.3'") as info:
+        with pytest.raises(RemoteError, match=r"no expert 'ffn\.3'") as info:
             await client.call(addr, "broken", "ffn.3")
         assert info.value.remote_type == "KeyError"
         with pytest.raises(UnknownHandler, match="no handler named 'missing'"):

@@ -514,7 +514,9 @@ class Connection(asyncio.BufferedProtocol):
     def _parse_scratch(self) -> None:
         view, pos, end = self._scratch_view, 0, self._filled
         while not self._dead and end - pos >= framing.HEADER_SIZE:
-            header = framing.decode_header(view[pos : pos + framing.HEADER_SIZE], self._local_max_frame)
+            header = framing.decode_header(
+                view[pos : pos + framing.HEADER_SIZE], self._local_max_frame
+            )
             body_start = pos + framing.HEADER_SIZE
             if header.type != FrameType.DATA:
                 if end - body_start < header.length:
@@ -637,7 +639,9 @@ class Connection(asyncio.BufferedProtocol):
                 f"but the handshake claims {hello.peer_id}"
             )
         if hello.peer_id == self._identity.peer_id:
-            raise HandshakeError(f"connected to ourselves ({hello.peer_id}) at {self.remote_address}")
+            raise HandshakeError(
+                f"connected to ourselves ({hello.peer_id}) at {self.remote_address}"
+            )
         self._their_hello = hello
         self._remote_max_frame = hello.max_frame
         self._remote_window = hello.initial_window

@@ -249,7 +249,9 @@ class Peer:
                 await conn.handshake_done
         except TimeoutError:
             conn.abort(HandshakeError(f"handshake with {address} timed out"))
-            raise PeerUnreachable(f"{address} did not answer within {self.dial_timeout} s") from None
+            raise PeerUnreachable(
+                f"{address} did not answer within {self.dial_timeout} s"
+            ) from None
         except OSError as e:
             conn.abort(PeerUnreachable(str(e)))
             raise PeerUnreachable(f"cannot connect to {address}: {e}") from None

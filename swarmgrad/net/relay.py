@@ -197,8 +197,14 @@ async def _splice(a: Stream, b: Stream) -> None:
 class RelayService:
     """Relaying for others, on a public peer (``allow_relay=False`` refuses everyone)."""
 
-    def __init__(self, peer: Peer, *, allow_relay: bool = True, max_reservations: int = 1024,
-                 max_circuits_per_peer: int = 64):
+    def __init__(
+        self,
+        peer: Peer,
+        *,
+        allow_relay: bool = True,
+        max_reservations: int = 1024,
+        max_circuits_per_peer: int = 64,
+    ):
         self.peer = peer
         self.allow_relay = allow_relay
         self.max_reservations = max_reservations
@@ -239,7 +245,9 @@ class RelayService:
         target = await _read_peer_id(stream)
         reservation = self.reservations.get(target)
         if not self.allow_relay or reservation is None:
-            reason = "relaying is disabled" if not self.allow_relay else f"no reservation for {target}"
+            reason = (
+                "relaying is disabled" if not self.allow_relay else f"no reservation for {target}"
+            )
             await _write_reply(stream, False, reason)
             await stream.close_write()
             return

@@ -36,7 +36,6 @@ from swarmgrad.utils.errors import (
     Overloaded,
     ProtocolViolation,
     RemoteError,
-    SwarmgradError,
     UnknownHandler,
 )
 
@@ -129,9 +128,7 @@ async def read_message(stream: Stream, max_size: int) -> tuple[int, Any] | None:
     unpacker.feed(meta)
     try:
         kind, lengths = unpacker.unpack()
-        if not isinstance(lengths, list) or not all(
-            isinstance(n, int) and n >= 0 for n in lengths
-        ):
+        if not isinstance(lengths, list) or not all(isinstance(n, int) and n >= 0 for n in lengths):
             raise ValueError("buffer lengths must be a list of non-negative integers")
         total = sum(lengths)
         if total + meta_len > max_size:
@@ -268,7 +265,9 @@ async def _single(requests: AsyncIterator[Any], stream: Stream, name: str) -> An
     try:
         first = await anext(requests)
     except StopAsyncIteration:
-        raise ProtocolViolation(f"call {name!r} from {stream.remote_peer_id} sent no request")
+        raise ProtocolViolation(
+            f"call {name!r} from {stream.remote_peer_id} sent no request"
+        ) from None
     try:
         await anext(requests)
     except StopAsyncIteration:
@@ -405,10 +404,4 @@ class ServicerBase:
         return handlers
 
 
-__all__ = [
-    "Blob",
-    "Handler",
-    "RPCContext",
-    "ServicerBase",
-    "SwarmgradError",
-]
+__all__ = ["Blob", "Handler", "RPCContext", "ServicerBase"]

@@ -251,8 +251,10 @@ class TLSLayer(asyncio.BufferedProtocol):
 
     def _fail_handshake(self, exc: BaseException) -> None:
         peer = self._extra.get("peername")
-        error = exc if isinstance(exc, HandshakeError) else HandshakeError(
-            f"TLS handshake with {peer} failed: {exc}"
+        error = (
+            exc
+            if isinstance(exc, HandshakeError)
+            else HandshakeError(f"TLS handshake with {peer} failed: {exc}")
         )
         logger.debug("TLS handshake with %s failed: %s", peer, exc)
         self._lose_upper(error)

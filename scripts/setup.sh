@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs swarmgrad and its test tools into the current Python (use a venv if you like).
+# Torch: an installed torch >= 2.1 is kept. Otherwise torch 2.13.0 is asked for by exact
+# version, which takes a local CPU wheel where pip's find-links has one (as on our build
+# machines, which must never download CUDA wheels) and the registry's wheel elsewhere.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])) >= (2, 1) else 1)" 2>/dev/null; then
+    "$PYTHON" -m pip install --quiet "torch==2.13.0" || "$PYTHON" -m pip install --quiet "torch>=2.1"
+fi
+"$PYTHON" -m pip install --quiet -e ".[test]"
+
+# The network-lab tests (NAT, relays across namespaces) need nft; they skip without it.
+if [ "$(id -u)" = 0 ] && ! command -v nft >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && apt-get install -y -qq nftables >/dev/null) \
+        || echo "setup: nftables not installed; network-lab tests will be skipped" >&2
+fi
+echo "swarmgrad is installed: $("$PYTHON" -c 'import swarmgrad; print(swarmgrad.__version__)')"

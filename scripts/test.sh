@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: lint, then the whole suite (unit, property, simulated swarms,
+# real processes, and the network lab where the machine allows it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+"$PYTHON" -m ruff check swarmgrad tests benchmarks
+"$PYTHON" -m pytest -q -p no:cacheprovider "$@"
