@@ -309,3 +309,24 @@ def test_incompatible_version_is_a_clear_error_not_a_hang(arun):
         await settle()
 
     arun(main)
+
+
+def test_data_frame_that_fills_the_scratch_exactly_is_received(arun):
+    """A DATA frame whose header lands at the start of a full scratch buffer (the relay's
+    256 KiB pump chunks) must not stall the receiver."""
+    from swarmgrad.net.mux import SCRATCH_SIZE
+
+    async def main():
+        a, b, accepted, ta = await connected_pair(max_frame=1024 * 1024)
+        s = a.open_stream()
+        await settle()
+        payload = bytes(range(256)) * (SCRATCH_SIZE // 256)
+        for _ in range(3):
+            await s.write(payload)  # one frame of exactly SCRATCH_SIZE bytes each
+        await s.close_write()
+        got = await accepted[0].readexactly(3 * len(payload))
+        assert got == payload * 3
+        a.close()
+        await settle()
+
+    arun(main)

@@ -526,7 +526,9 @@ class Connection(asyncio.BufferedProtocol):
                 continue
             available = min(end - body_start, header.length)
             stream = self._data_stream(header.stream_id)
-            if available < header.length and header.length - available > _SMALL_PAYLOAD:
+            remainder = header.length - available
+            fits_in_scratch = framing.HEADER_SIZE + header.length <= SCRATCH_SIZE
+            if remainder and (remainder > _SMALL_PAYLOAD or not fits_in_scratch):
                 # A large payload: take what arrived, receive the rest outside the scratch.
                 if stream is not None and available:
                     stream._on_data(memoryview(bytes(view[body_start : body_start + available])))

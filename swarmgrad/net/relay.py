@@ -278,6 +278,8 @@ class RelayClient:
         self._reservations: dict[Multiaddr, asyncio.Task] = {}
         self._active: dict[Multiaddr, Multiaddr] = {}  # relay -> our relayed address
         self._ready = asyncio.Event()
+        self._refused: dict[Multiaddr, str] = {}  # relays that said no, and why
+        self._all_refused = asyncio.Event()
         peer.add_protocol_handler(INCOMING, self._handle_incoming)
 
     def start(self) -> None:
@@ -286,14 +288,17 @@ class RelayClient:
 
     async def wait_ready(self, timeout: float) -> None:
         """Wait until at least one reservation holds (clear error naming the relays)."""
+        ready = asyncio.ensure_future(self._ready.wait())
+        refused = asyncio.ensure_future(self._all_refused.wait())
         try:
-            async with asyncio.timeout(timeout):
-                await self._ready.wait()
-        except TimeoutError:
-            raise PeerUnreachable(
-                f"no relay accepted a reservation within {timeout} s: "
-                + ", ".join(str(r) for r in self.relays)
-            ) from None
+            await asyncio.wait({ready, refused}, timeout=timeout, return_when="FIRST_COMPLETED")
+        finally:
+            ready.cancel()
+            refused.cancel()
+            await asyncio.gather(ready, refused, return_exceptions=True)
+        if not self._ready.is_set():
+            reasons = ", ".join(f"{r} ({self._refused.get(r, 'no answer')})" for r in self.relays)
+            raise PeerUnreachable(f"no relay accepted a reservation within {timeout} s: {reasons}")
 
     @property
     def relayed_addresses(self) -> list[Multiaddr]:
@@ -309,12 +314,16 @@ class RelayClient:
                     f"{relay.without_peer_id()}/p2p/{relay_id}/p2p-circuit/p2p/{self.peer.peer_id}"
                 )
                 self._active[relay] = address
+                self._refused.pop(relay, None)
                 self.peer._relayed_addrs = self.relayed_addresses
                 self._ready.set()
                 logger.info("reachable through relay %s", relay_id)
                 await stream.read()  # returns when the relay closes; raises if it dies
             except (SwarmgradError, OSError) as e:
                 logger.debug("reservation on %s lost or refused: %s", relay, e)
+                self._refused[relay] = str(e)
+                if all(r in self._refused for r in self.relays) and not self._active:
+                    self._all_refused.set()
             finally:
                 self._active.pop(relay, None)
                 self.peer._relayed_addrs = self.relayed_addresses
