@@ -142,6 +142,9 @@ def _short(value: object, limit: int = 80) -> str:
 # --- PeerID ---------------------------------------------------------------------------
 
 
+_BASE58_CACHE: dict[bytes, str] = {}
+
+
 @dataclass(frozen=True, order=True)
 class PeerID:
     """A peer's id: a multihash of its public key, in libp2p's format.
@@ -238,7 +241,14 @@ class PeerID:
 
     @property
     def _base58(self) -> str:
-        return base58.b58encode(self._bytes).decode("ascii")
+        # Cached: ids are formatted into every log line and error message, and base58 of
+        # 38 bytes costs ~20 us in pure Python.
+        text = _BASE58_CACHE.get(self._bytes)
+        if text is None:
+            if len(_BASE58_CACHE) > 65536:
+                _BASE58_CACHE.clear()
+            text = _BASE58_CACHE[self._bytes] = base58.b58encode(self._bytes).decode("ascii")
+        return text
 
     def __str__(self) -> str:
         return self._base58

@@ -241,7 +241,16 @@ class Stream:
         finally:
             self._target = None
 
-    async def readexactly(self, n: int) -> bytearray:
+    async def readexactly(self, n: int) -> bytes | bytearray:
+        if self._chunks and len(self._chunks[0]) >= n:  # fast path: already buffered
+            chunk = self._chunks[0]
+            if len(chunk) == n:
+                self._chunks.popleft()
+            else:
+                self._chunks[0] = chunk[n:]
+            self._buffered -= n
+            self._consume(n)
+            return bytes(chunk[:n])
         buffer = bytearray(n)
         await self.readexactly_into(buffer)
         return buffer
@@ -513,11 +522,15 @@ class Connection(asyncio.BufferedProtocol):
 
     def _parse_scratch(self) -> None:
         view, pos, end = self._scratch_view, 0, self._filled
-        while not self._dead and end - pos >= framing.HEADER_SIZE:
-            header = framing.decode_header(
-                view[pos : pos + framing.HEADER_SIZE], self._local_max_frame
-            )
-            body_start = pos + framing.HEADER_SIZE
+        unpack, header_size = framing.HEADER.unpack_from, framing.HEADER_SIZE
+        max_frame = self._local_max_frame
+        while not self._dead and end - pos >= header_size:
+            length, stream_id, frame_type, flags = unpack(view, pos)
+            if frame_type == FrameType.DATA and length <= max_frame and flags <= FLAG_FIN:
+                header = framing.FrameHeader(length, stream_id, FrameType.DATA, flags)
+            else:  # the slow path validates and names what is wrong
+                header = framing.decode_header(view[pos : pos + header_size], max_frame)
+            body_start = pos + header_size
             if header.type != FrameType.DATA:
                 if end - body_start < header.length:
                     break  # control payloads are small; wait for the rest in the scratch

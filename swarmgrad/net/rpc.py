@@ -213,15 +213,27 @@ async def serve_call(
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         context = RPCContext(peer, handler_name, deadline, stream)
-        work = asyncio.ensure_future(_run_handler(stream, handler, context, max_message_size))
-        stream.on_failure(work.cancel)  # the caller reset the stream: stop working for it
+        # The handler runs in this task (no helper task: small calls are the hot path). If
+        # the caller resets the stream, this task is cancelled; that one cancellation is
+        # absorbed here, any other (peer shutdown) propagates.
+        task = asyncio.current_task()
+        caller_gone = False
+
+        def on_stream_failure() -> None:
+            nonlocal caller_gone
+            if not caller_gone:
+                caller_gone = True
+                task.cancel()
+
+        stream.on_failure(on_stream_failure)
         try:
             async with asyncio.timeout_at(deadline):
-                await work
+                await _run_handler(stream, handler, context, max_message_size)
         except asyncio.CancelledError:
-            if not work.cancelled() or asyncio.current_task().cancelling():
-                raise  # we are being cancelled ourselves (peer shutdown)
-            # the caller went away; the stream is already reset
+            if not caller_gone or task.uncancel() > 0:
+                raise
+        finally:
+            caller_gone = True  # a failure after this point must not cancel the task
     except TimeoutError:
         stream.reset(f"handler {handler_name!r} exceeded its deadline of {timeout} s")
     except (ConnectionClosed, ProtocolViolation) as e:
