@@ -120,3 +120,21 @@ def test_relays_work_on_the_simulated_network():
         return result
 
     assert run_simulation(main, latency=0.02) == "via relay"
+
+
+def test_keepalive_drops_a_connection_whose_peer_vanished_silently():
+    async def main(network):
+        a = await create_sim_peer(network, keepalive_interval=10, keepalive_timeout=5)
+        b = await create_sim_peer(network, keepalive_interval=None)
+        b.add_handler("echo", echo)
+        await a.call(b.get_visible_maddrs()[0], "echo", 1)
+        assert a.is_connected(b.peer_id)
+        # b stops answering without closing anything: its side no longer reads
+        (conn,) = [c for c in b._all_connections if c.remote_peer_id == a.peer_id]
+        conn.transport.pause_reading()
+        await asyncio.sleep(30)
+        assert not a.is_connected(b.peer_id)
+        for p in (a, b):
+            await p.shutdown()
+
+    run_simulation(main, latency=0.05)

@@ -52,6 +52,8 @@ class Peer:
         handshake_timeout: float = 10.0,
         dial_timeout: float = 15.0,
         max_connections: int = 4096,
+        keepalive_interval: float | None = 30.0,
+        keepalive_timeout: float = 20.0,
     ):
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
@@ -61,6 +63,8 @@ class Peer:
         self.handshake_timeout = handshake_timeout
         self.dial_timeout = dial_timeout
         self.max_connections = max_connections
+        self.keepalive_interval = keepalive_interval
+        self.keepalive_timeout = keepalive_timeout
         self._backend = backend
         self._announce = [Multiaddr.parse(m) for m in announce_maddrs]
         self._listen_maddrs: list[Multiaddr] = []
@@ -74,6 +78,9 @@ class Peer:
         self._tasks: set[asyncio.Task] = set()
         self._relayed_addrs: list[Multiaddr] = []
         self._closed = False
+        self._keepalive: asyncio.Task | None = None
+        if keepalive_interval is not None:
+            self._keepalive = asyncio.ensure_future(self._keep_connections_alive())
         self.relay_client: relay.RelayClient | None = None  # reservations (client mode)
         self.relay_service: relay.RelayService | None = None  # relaying for others
 
@@ -423,11 +430,37 @@ class Peer:
 
     # ------------------------------------------------------------------ shutdown
 
+    async def _keep_connections_alive(self) -> None:
+        """Ping every connection each ``keepalive_interval`` seconds and drop those that do
+        not answer within ``keepalive_timeout``: a peer that vanished without closing its
+        socket (power loss, NAT timeout) must not keep a dead connection in the pool."""
+        while True:
+            await asyncio.sleep(self.keepalive_interval)
+            alive = [conn for conn in self._all_connections if conn.is_alive]
+            results = await asyncio.gather(
+                *(self._probe(conn) for conn in alive), return_exceptions=True
+            )
+            for conn, result in zip(alive, results, strict=True):
+                if isinstance(result, TimeoutError):
+                    conn.abort(
+                        PeerUnreachable(
+                            f"{conn.remote_peer_id} did not answer a ping within "
+                            f"{self.keepalive_timeout} s"
+                        )
+                    )
+
+    async def _probe(self, conn: Connection) -> float:
+        async with asyncio.timeout(self.keepalive_timeout):
+            return await conn.ping()
+
     async def shutdown(self) -> None:
         """Close listeners, connections and every task this peer started."""
         if self._closed:
             return
         self._closed = True
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            await asyncio.gather(self._keepalive, return_exceptions=True)
         if self.relay_client is not None:
             await self.relay_client.close()
         await self._backend.close()
