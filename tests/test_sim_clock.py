@@ -20,7 +20,7 @@ def test_sleeping_an_hour_takes_no_wall_time_and_advances_the_clock_by_3600_s():
         elapsed = loop.run_until_complete(scenario())
         assert loop.virtual_time == 3600.0
     assert elapsed == 3600.0
-    assert time.perf_counter() - wall < 1.0
+    assert time.perf_counter() - wall < 2.0  # milliseconds in practice; slack for loaded CI
 
 
 def test_virtual_time_starts_at_start_time_and_does_not_follow_the_wall_clock():
