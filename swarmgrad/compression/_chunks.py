@@ -1,0 +1,102 @@
+"""Chunked traversal and random sampling of large tensors for the codecs.
+
+Codecs process a tensor in chunks of a few megabytes so their temporaries are allocated
+once per call and stay warm in cache, instead of allocating (and page-faulting) several
+full-size intermediates. Each chunk is still processed with torch ops, which use torch's
+intra-op threads and release the GIL. Chunks are not smaller because every torch op is a
+parallel region whose start and end cost a synchronisation of the threads, which gets
+expensive when other processes compete for the cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+#: Elements per chunk: 4 MiB of float32.
+CHUNK_NUMEL = 1 << 20
+
+
+def spans(numel: int, chunk: int | None = None) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of consecutive chunks covering ``range(numel)``."""
+    chunk = chunk or CHUNK_NUMEL
+    for start in range(0, numel, chunk):
+        yield start, min(start + chunk, numel)
+
+
+def float32_inputs(
+    flat: torch.Tensor, chunk: int | None = None
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(start, stop, values)`` with ``values`` a float32 view of ``flat[start:stop]``.
+
+    A float32 tensor is viewed directly; other dtypes are converted through one reused
+    scratch buffer, so a yielded chunk is only valid until the next one is requested.
+    """
+    chunk = chunk or CHUNK_NUMEL
+    if flat.dtype == torch.float32:
+        for start, stop in spans(flat.numel(), chunk):
+            yield start, stop, flat[start:stop]
+        return
+    scratch = torch.empty(min(chunk, flat.numel()), dtype=torch.float32)
+    for start, stop in spans(flat.numel(), chunk):
+        values = scratch[: stop - start]
+        values.copy_(flat[start:stop])
+        yield start, stop, values
+
+
+def float32_outputs(
+    out: torch.Tensor, chunk: int | None = None
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(start, stop, target)``: a float32 chunk the caller fills for ``out[start:stop]``.
+
+    For a float32 ``out`` the target is a view into it; otherwise it is a reused scratch
+    buffer that is converted into ``out`` when the caller asks for the next chunk.
+    """
+    chunk = chunk or CHUNK_NUMEL
+    if out.dtype == torch.float32:
+        for start, stop in spans(out.numel(), chunk):
+            yield start, stop, out[start:stop]
+        return
+    scratch = torch.empty(min(chunk, out.numel()), dtype=torch.float32)
+    for start, stop in spans(out.numel(), chunk):
+        target = scratch[: stop - start]
+        yield start, stop, target
+        out[start:stop].copy_(target)
+
+
+def row_blocks(
+    rows: int, cols: int, chunk: int | None = None
+) -> Iterator[tuple[int, int, int, int]]:
+    """``(row_start, row_stop, col_start, col_stop)`` of blocks of at most ``chunk`` elements
+    covering a ``rows x cols`` matrix: whole rows grouped when rows are short, else pieces
+    of one row."""
+    chunk = chunk or CHUNK_NUMEL
+    if cols >= chunk:
+        for row in range(rows):
+            for col_start, col_stop in spans(cols, chunk):
+                yield row, row + 1, col_start, col_stop
+    else:
+        per_block = max(1, chunk // max(cols, 1))
+        for row_start, row_stop in spans(rows, per_block):
+            yield row_start, row_stop, 0, cols
+
+
+_SAMPLE_SEED = 0x5EED
+
+
+def random_sample_indices(numel: int, size: int) -> np.ndarray:
+    """Indices of a fixed-seed random sample (with replacement) of ``size`` out of
+    ``numel`` elements, or of all of them when there are at most ``size``."""
+    if numel <= size:
+        return np.arange(numel)
+    return np.random.default_rng(_SAMPLE_SEED).integers(0, numel, size)
+
+
+def sample_values(flat: torch.Tensor, indices: np.ndarray) -> np.ndarray:
+    """``flat[indices]`` as a float64 numpy array (sample-sized work is done in numpy:
+    for arrays this small, torch's thread synchronisation costs more than the work)."""
+    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16
+        return flat[torch.from_numpy(indices)].double().numpy()
+    return flat.numpy()[indices].astype(np.float64)
