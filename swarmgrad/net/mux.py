@@ -257,11 +257,15 @@ class Stream:
 
     # ---------------------------------------------------------------- writing
 
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
+    async def write(self, data: bytes | bytearray | memoryview, *, fin: bool = False) -> None:
         """Send data, waiting for credit and for the transport; the buffer is not copied
-        in Python and may be reused once this returns."""
+        in Python and may be reused once this returns. ``fin=True`` closes the writing
+        direction with the last frame (one frame less than write + close_write)."""
         view = memoryview(data).cast("B")
         conn = self.conn
+        if fin and not len(view):
+            await self.close_write()
+            return
         while len(view):
             if self._error is not None:
                 raise self._error
@@ -279,14 +283,17 @@ class Stream:
                 raise self._error
             n = min(len(view), self._send_credit, conn._remote_max_frame)
             self._send_credit -= n
-            conn._send_data(self.stream_id, view[:n], fin=False)
+            last = fin and n == len(view)
+            if last:
+                self._send_fin = True
+            conn._send_data(self.stream_id, view[:n], fin=last)
             view = view[n:]
+        if fin:
+            conn._maybe_forget(self)
 
     async def write_eof(self, data: bytes | bytearray | memoryview = b"") -> None:
         """Write data (if any) and close the writing direction."""
-        if data:
-            await self.write(data)
-        await self.close_write()
+        await self.write(data, fin=True)
 
     async def close_write(self) -> None:
         if self._send_fin or self._error is not None:

@@ -392,6 +392,8 @@ class Peer:
             stream = conn.open_stream(rpc.call_header(name, timeout))
             return await rpc.unary_call(stream, request, name, self.max_message_size)
 
+        if timeout is None:
+            return await run()
         return await rpc.with_deadline(run(), timeout, f"call {name!r} to {peer}")
 
     async def iterate(

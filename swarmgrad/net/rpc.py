@@ -92,9 +92,13 @@ def encode_message(body: Any, kind: int = _KIND_MESSAGE) -> list[bytes | memoryv
     return [head, *blobs]
 
 
-async def write_message(stream: Stream, body: Any, kind: int = _KIND_MESSAGE) -> None:
-    for part in encode_message(body, kind):
-        await stream.write(part)
+async def write_message(
+    stream: Stream, body: Any, kind: int = _KIND_MESSAGE, *, last: bool = False
+) -> None:
+    """Write one message; ``last=True`` also ends the stream's writing side."""
+    parts = encode_message(body, kind)
+    for i, part in enumerate(parts):
+        await stream.write(part, fin=last and i == len(parts) - 1)
 
 
 async def read_message(stream: Stream, max_size: int) -> tuple[int, Any] | None:
@@ -207,8 +211,8 @@ async def serve_call(
         if handler is None or refuse_reason is not None:
             error_type = "UnknownHandler" if handler is None else "Overloaded"
             message = refuse_reason or f"no handler named {handler_name!r} on this peer"
-            await write_message(stream, {"type": error_type, "message": message}, _KIND_ERROR)
-            await stream.close_write()
+            body = {"type": error_type, "message": message}
+            await write_message(stream, body, _KIND_ERROR, last=True)
             return
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -248,43 +252,43 @@ async def serve_call(
 async def _run_handler(
     stream: Stream, handler: Handler, context: RPCContext, max_message_size: int
 ) -> None:
-    requests = _incoming_requests(stream, max_message_size)
+    if handler.stream_input:
+        argument: Any = _incoming_requests(stream, max_message_size)
+    else:
+        argument = await _single_request(stream, handler.name, max_message_size)
     try:
-        if handler.stream_input:
-            argument: Any = requests
+        if handler.stream_output:
+            async for item in handler.fn(argument, context):
+                await write_message(stream, item)
+            await stream.close_write()
         else:
-            argument = await _single(requests, stream, handler.name)
-        try:
-            if handler.stream_output:
-                async for item in handler.fn(argument, context):
-                    await write_message(stream, item)
-            else:
-                await write_message(stream, await handler.fn(argument, context))
-        except (ConnectionClosed, asyncio.CancelledError):
+            await write_message(stream, await handler.fn(argument, context), last=True)
+    except (ConnectionClosed, asyncio.CancelledError):
+        raise
+    except Exception as e:  # the handler's own failure: report it to the caller
+        if isinstance(e, ProtocolViolation) and handler.stream_input:
             raise
-        except Exception as e:  # the handler's own failure: report it to the caller
-            if isinstance(e, ProtocolViolation) and handler.stream_input:
-                raise
-            logger.debug("handler %r raised for %s: %r", handler.name, context.remote_id, e)
-            body = {"type": type(e).__name__, "message": str(e)}
-            await write_message(stream, body, _KIND_ERROR)
-        await stream.close_write()
+        logger.debug("handler %r raised for %s: %r", handler.name, context.remote_id, e)
+        body = {"type": type(e).__name__, "message": str(e)}
+        await write_message(stream, body, _KIND_ERROR, last=True)
     finally:
-        await requests.aclose()
+        if handler.stream_input:
+            await argument.aclose()
 
 
-async def _single(requests: AsyncIterator[Any], stream: Stream, name: str) -> Any:
-    try:
-        first = await anext(requests)
-    except StopAsyncIteration:
+async def _single_request(stream: Stream, name: str, max_message_size: int) -> Any:
+    """The one request of a unary-input call, followed by the end of the stream."""
+    message = await read_message(stream, max_message_size)
+    if message is None:
+        raise ProtocolViolation(f"call {name!r} from {stream.remote_peer_id} sent no request")
+    kind, body = message
+    if kind != _KIND_MESSAGE:
+        raise ProtocolViolation(f"caller {stream.remote_peer_id} sent message kind {kind}")
+    if await read_message(stream, max_message_size) is not None:
         raise ProtocolViolation(
-            f"call {name!r} from {stream.remote_peer_id} sent no request"
-        ) from None
-    try:
-        await anext(requests)
-    except StopAsyncIteration:
-        return first
-    raise ProtocolViolation(f"unary call {name!r} from {stream.remote_peer_id} sent 2+ requests")
+            f"unary call {name!r} from {stream.remote_peer_id} sent 2+ requests"
+        )
+    return body
 
 
 # ------------------------------------------------------------------------ calling
@@ -355,8 +359,7 @@ async def unary_call(stream: Stream, request: Any, name: str, max_message_size: 
     peer = stream.remote_peer_id
     done = False
     try:
-        await write_message(stream, request)
-        await stream.close_write()
+        await write_message(stream, request, last=True)
         message = await read_message(stream, max_message_size)
         if message is None:
             raise ProtocolViolation(f"{peer} closed call {name!r} without answering")
