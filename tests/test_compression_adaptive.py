@@ -23,6 +23,10 @@ from swarmgrad.compression import (
 from swarmgrad.utils.errors import ValidationError
 
 
+def setup_function():
+    torch.manual_seed(0)  # data drawn without an explicit generator is the same every run
+
+
 def compress(codec, tensor, **info_fields):
     return codec.compress(tensor, CompressionInfo.from_tensor(tensor, **info_fields))
 

@@ -22,6 +22,10 @@ from swarmgrad.compression import (
 from swarmgrad.utils.errors import CodecError, ValidationError
 
 
+def setup_function():
+    torch.manual_seed(0)  # data drawn without an explicit generator is the same every run
+
+
 def address_of(buffer) -> int:
     return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
 

@@ -29,6 +29,10 @@ from swarmgrad.utils.errors import CodecError, ValidationError
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=60)
 
 
+def setup_function():
+    torch.manual_seed(0)  # data drawn without an explicit generator is the same every run
+
+
 def address_of(buffer) -> int:
     return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
 

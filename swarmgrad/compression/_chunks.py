@@ -95,8 +95,8 @@ def random_sample_indices(numel: int, size: int) -> np.ndarray:
 
 
 def sample_values(flat: torch.Tensor, indices: np.ndarray) -> np.ndarray:
-    """``flat[indices]`` as a float64 numpy array (sample-sized work is done in numpy:
-    for arrays this small, torch's thread synchronisation costs more than the work)."""
+    """``flat[indices]`` as a float32 numpy array (sample-sized work is done in numpy: for
+    arrays this small, torch's thread synchronisation costs more than the work)."""
     if flat.dtype == torch.bfloat16:  # numpy has no bfloat16
-        return flat[torch.from_numpy(indices)].double().numpy()
-    return flat.numpy()[indices].astype(np.float64)
+        return flat[torch.from_numpy(indices)].float().numpy()
+    return flat.numpy()[indices].astype(np.float32)
