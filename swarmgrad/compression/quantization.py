@@ -2,9 +2,10 @@
 
 All three estimate what they need from a fixed-seed random subsample (worked on with
 numpy: small arrays, no thread synchronisation) or from cheap whole-tensor reductions,
-then encode in one chunked pass of torch ops; results are deterministic. Non-finite input
-values are not supported: they do not raise, but decode to arbitrary finite values
-(blockwise: make their block non-finite).
+then encode in one chunked pass of torch ops; results are deterministic. They compute in
+float32, so float64 values beyond float32's range are not supported, and neither are
+non-finite values: these do not raise, but decode to arbitrary finite values (blockwise:
+make their block non-finite).
 """
 
 from __future__ import annotations
