@@ -21,7 +21,7 @@ from swarmgrad.compression import (
     get_codec,
     serialize_torch_tensor,
 )
-from swarmgrad.compression.serialized import _DTYPES, LOSSY_DTYPES
+from swarmgrad.compression.serialized import LOSSY_DTYPES, SERIALIZABLE_DTYPES
 from swarmgrad.utils.errors import CodecError, ValidationError
 
 DETERMINISTIC = settings(
@@ -31,7 +31,7 @@ DETERMINISTIC = settings(
     max_examples=60,
     suppress_health_check=[HealthCheck.too_slow],
 )
-ALL_DTYPES = sorted(_DTYPES.values(), key=str)
+ALL_DTYPES = sorted(SERIALIZABLE_DTYPES.values(), key=str)
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 EXACT_ONLY_DTYPES = [dtype for dtype in ALL_DTYPES if dtype not in LOSSY_DTYPES]
 

@@ -26,6 +26,7 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_NUMEL",
     "Buffer",
     "CompressionType",
+    "SERIALIZABLE_DTYPES",
     "SerializedTensor",
     "LOSSY_DTYPES",
     "check_header",
@@ -85,6 +87,8 @@ def _collect_dtypes() -> dict[str, torch.dtype]:
 
 _DTYPES: dict[str, torch.dtype] = _collect_dtypes()
 _DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+#: Every dtype that can be serialized, by wire name (``"float32"``, ``"bool"``, ...).
+SERIALIZABLE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(_DTYPES)
 
 #: Dtypes the lossy codecs apply to; every other dtype is always sent exactly.
 LOSSY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
