@@ -183,3 +183,10 @@ def test_meanstd_handles_other_float_dtypes(dtype):
     restored = round_trip(tensor, CompressionType.MEANSTD_16BIT)
     assert restored.dtype == dtype
     assert torch.allclose(restored.double(), tensor.double(), rtol=1e-2, atol=1e-2)
+
+
+def test_meanstd_keeps_tiny_values_whose_squares_underflow_float32():
+    tensor = torch.tensor([6.302427694635731e-25, 0.0])  # found by hypothesis
+    restored = round_trip(tensor, CompressionType.MEANSTD_16BIT)
+    error = (restored.double() - tensor.double()).abs().max().item()
+    assert error <= 2e-3 * 6.302427694635731e-25

@@ -127,8 +127,10 @@ class ScaledFloat16Compression(LossyCompression):
             block = values[row_start:row_stop, col_start:col_stop]
             deviations = scratch[: block.numel()].view(block.shape)
             torch.sub(block, means[row_start:row_stop, None], out=deviations)
-            norms = torch.linalg.vector_norm(deviations, dim=1)
-            squares[row_start:row_stop] += norms.double().square()
+            # float64 accumulation: squares of tiny float32 values (below ~1e-23) would
+            # underflow to zero and make the whole row look constant.
+            norms = torch.linalg.vector_norm(deviations, dim=1, dtype=torch.float64)
+            squares[row_start:row_stop] += norms.square()
         std = (squares / max(cols - 1, 1)).sqrt()
         # A mean small next to the spread barely helps (error grows by 1 + mean^2/std^2)
         # and would make exact zeros inexact, so only a mean above std/4 is subtracted.
