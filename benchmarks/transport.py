@@ -63,6 +63,38 @@ def bench_raw(total: int) -> float:
     return total / elapsed / 1e9
 
 
+def _raw_echo_server(port_queue: mp.Queue) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(server.getsockname()[1])
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while data := conn.recv(65536):
+        conn.sendall(data)
+    conn.close()
+    server.close()
+
+
+def bench_raw_echo(calls: int) -> float:
+    """p50 round trip of 100 bytes over a plaintext blocking socket: the floor that the
+    machine's process wake-ups set for any RPC system here."""
+    queue: mp.Queue = mp.Queue()
+    proc = mp.Process(target=_raw_echo_server, args=(queue,))
+    proc.start()
+    sock = socket.create_connection(("127.0.0.1", queue.get(timeout=30)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    latencies = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        sock.sendall(b"x" * 100)
+        received = 0
+        while received < 100:
+            received += len(sock.recv(65536))
+        latencies.append(time.perf_counter() - started)
+    sock.close()
+    proc.join(timeout=30)
+    return statistics.median(latencies) * 1e6
+
+
 # ----------------------------------------------------------------------------- swarmgrad
 
 
@@ -172,6 +204,7 @@ def main() -> None:
     total = args.mib * 1024 * 1024
 
     raw = [bench_raw(total) for _ in range(args.repeats)]
+    raw_echo_p50 = statistics.median(bench_raw_echo(args.rpc_calls) for _ in range(3))
     ours = bench_ours(total, args.repeats, args.rpc_calls)
     raw_gbps, ours_gbps = statistics.median(raw), statistics.median(ours["bulk"])
     ratios = [o / r for o, r in zip(ours["bulk"], raw, strict=True)]
@@ -182,6 +215,8 @@ def main() -> None:
         "rpc_p50_us": round(statistics.median(ours["p50"]), 1),
         "rpc_p99_us": round(statistics.median(ours["p99"]), 1),
         "rpc_calls_per_s_64": round(statistics.median(ours["rate"])),
+        "raw_echo_p50_us": round(raw_echo_p50, 1),
+        "rpc_p50_vs_raw_echo": round(statistics.median(ours["p50"]) / raw_echo_p50, 2),
         "repeats": args.repeats,
         "mib": args.mib,
     }
@@ -194,6 +229,10 @@ def main() -> None:
     print(f"  ratio ours / raw          {result['bulk_ratio_vs_raw']:7.3f}   (target >= 0.40)")
     print("RPC 100-byte echo between two processes")
     print(f"  p50 {result['rpc_p50_us']} us (target <= 200), p99 {result['rpc_p99_us']} us")
+    print(
+        f"  raw blocking socket echo p50 {result['raw_echo_p50_us']} us (the machine's floor);"
+        f" ours / raw {result['rpc_p50_vs_raw_echo']}"
+    )
     print(f"  {result['rpc_calls_per_s_64']} calls/s with 64 in flight (target >= 20000)")
     print(json.dumps(result))
 
