@@ -304,3 +304,39 @@ def test_shutdown_fails_pending_calls_and_leaves_nothing(arun):
         await client.shutdown()
 
     arun(main)
+
+
+@pytest.mark.parametrize(
+    "server_tls_only, client_tls_only", [(True, True), (True, False), (False, True)]
+)
+def test_peers_fall_back_to_plain_tls_records_when_either_side_asks(
+    arun, monkeypatch, server_tls_only, client_tls_only
+):
+    """SWARMGRAD_TLS_RECORDS=1 on either side negotiates plain TLS records (ALPN)."""
+
+    async def main():
+        monkeypatch.setenv("SWARMGRAD_TLS_RECORDS", "1" if server_tls_only else "0")
+        server = await Peer.create()
+        server.add_handler("echo", echo)
+        monkeypatch.setenv("SWARMGRAD_TLS_RECORDS", "1" if client_tls_only else "0")
+        client = await Peer.create()
+        payload = bytes(range(256)) * 20_000
+        assert await client.call(server.get_visible_maddrs()[0], "echo", Blob(payload)) == payload
+        (conn,) = client._all_connections
+        assert conn.transport.get_extra_info("records") == "tls"
+        await shutdown(client, server)
+
+    arun(main)
+
+
+def test_default_channel_uses_aes_gcm_records(arun):
+    async def main():
+        server, client, addr = await two_peers()
+        payload = bytes(range(256)) * 40_000
+        assert await client.call(addr, "echo", Blob(payload)) == payload
+        (conn,) = client._all_connections
+        assert conn.transport.get_extra_info("records") == "aes-256-gcm"
+        assert conn.transport.get_extra_info("cipher")[1] == "TLSv1.3"
+        await shutdown(client, server)
+
+    arun(main)

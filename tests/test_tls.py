@@ -11,7 +11,7 @@ from cryptography.x509.oid import NameOID
 
 from swarmgrad.net.identity import Identity
 from swarmgrad.net.tls import (
-    ALPN_PROTOCOL,
+    FAST_RECORDS_ALPN,
     client_ssl_context,
     make_self_signed_certificate,
     peer_id_from_certificate,
@@ -143,7 +143,7 @@ def test_client_learns_the_server_peer_id_over_tls13():
                 )
                 ssl_object = writer.get_extra_info("ssl_object")
                 assert ssl_object.version() == "TLSv1.3"
-                assert ssl_object.selected_alpn_protocol() == ALPN_PROTOCOL
+                assert ssl_object.selected_alpn_protocol() == FAST_RECORDS_ALPN
                 assert peer_id_from_ssl_object(ssl_object) == server_identity.peer_id
                 writer.write(b"hello")
                 assert await reader.readexactly(5) == b"HELLO"

@@ -1,52 +1,66 @@
-"""TLS 1.3 between a byte transport and the protocol above it, driven by ``ssl.MemoryBIO``.
+"""The secure channel under every connection: TLS 1.3 driven through ``ssl.MemoryBIO``.
 
-Why not asyncio's built-in ``ssl=`` transports: they copy every record several times
-and reached about a fifth of raw socket speed here, and they cannot run over a relayed
-stream. :class:`TLSLayer` is one small driver for both cases: it is the *protocol* of the
-lower transport (a TCP socket, or a stream relayed through another peer) and the
-*transport* of the upper protocol (the multiplexed :class:`~swarmgrad.net.mux.Connection`).
-Decryption writes straight into the buffer the upper protocol offers, so payload bytes land
-where they belong without another copy.
+Why not asyncio's built-in ``ssl=`` transports: they copy every record several times and
+reached about a fifth of raw socket speed here, and they cannot run over a relayed stream.
+:class:`TLSLayer` is one small driver for both cases: it is the *protocol* of the lower
+transport (a TCP socket, or a stream relayed through another peer) and the *transport* of
+the upper protocol (the multiplexed :class:`~swarmgrad.net.mux.Connection`).
+
+Two record modes, chosen by ALPN during the TLS handshake:
+
+* ``swarmgrad/2`` (both sides offer it first): after the handshake each side sends a
+  32-byte key share as TLS application data, then both switch to AES-256-GCM records keyed
+  from the two shares (:mod:`swarmgrad.net.records`): a record per mux frame payload, sealed
+  in one C call and opened straight into the buffer the mux offers (a tensor's memory
+  when a reader waits), about 3x less CPU per byte than the stdlib's record layer.
+* ``swarmgrad/1``: plain TLS 1.3 records end to end (``SWARMGRAD_TLS_RECORDS=1``, or a
+  peer that does not offer ``swarmgrad/2``).
+
+Small writes are corked in both modes: an RPC's OPEN, DATA and FIN frames become one record
+and one syscall.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
+import os
 import ssl
 from typing import Any
 
-from swarmgrad.net.tls import peer_id_from_certificate
-from swarmgrad.utils.errors import HandshakeError
+from swarmgrad.net import records
+from swarmgrad.net.tls import FAST_RECORDS_ALPN, peer_id_from_certificate
+from swarmgrad.utils.errors import HandshakeError, SwarmgradError
 
 logger = logging.getLogger(__name__)
 
-_RX_BUFFER = 1024 * 1024
+_TLS_RX_BUFFER = 1024 * 1024
 _HIGH_WATER = 4 * 1024 * 1024  # outgoing ciphertext buffered in the lower transport
 _LOW_WATER = 1024 * 1024
-# Writes smaller than this are corked: gathered and encrypted as one record at the end of
-# the event-loop iteration, so an RPC's OPEN, DATA and FIN frames cost one record and one
-# syscall instead of three.
+# Writes smaller than this are corked: gathered and sealed as one record at the end of the
+# event-loop iteration.
 _CORK_LIMIT = 64 * 1024
 
 
-class TLSLayer(asyncio.BufferedProtocol):
-    """Encrypts the upper protocol's writes and decrypts the lower transport's bytes.
+class _Mode(enum.Enum):
+    HANDSHAKE = 0  # TLS handshake in progress
+    KEYS = 1  # exchanging record key shares inside TLS
+    TLS = 2  # plain TLS records
+    FAST = 3  # AES-GCM records
 
-    The upper protocol's ``connection_made`` is called only after the TLS handshake has
-    finished (if it fails, only ``connection_lost`` is called, with a HandshakeError);
-    ``get_extra_info("tls_peer_id")`` then gives the PeerID proven by the remote
-    certificate (dialer side), and ``"peername"`` is forwarded from below.
+
+class TLSLayer(asyncio.BufferedProtocol):
+    """Secures the upper protocol's bytes over the lower transport.
+
+    The upper protocol's ``connection_made`` is called once the channel is ready; if the
+    handshake fails only ``connection_lost`` is called, with a HandshakeError.
+    ``get_extra_info("tls_peer_id")`` gives the PeerID proven by the remote certificate
+    (dialer side); ``"peername"`` is forwarded from below; ``"records"`` says which record
+    mode was negotiated.
     """
 
-    def __init__(
-        self,
-        context: ssl.SSLContext,
-        upper: asyncio.BaseProtocol,
-        *,
-        server_side: bool,
-    ):
-        self._context = context
+    def __init__(self, context: ssl.SSLContext, upper: asyncio.BaseProtocol, *, server_side: bool):
         self._upper = upper
         if hasattr(upper, "carrier"):
             upper.carrier = self  # lets the upper protocol abort us before it is connected
@@ -54,60 +68,75 @@ class TLSLayer(asyncio.BufferedProtocol):
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         self._ssl = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side)
+        self._mode = _Mode.HANDSHAKE
         self._lower: Any = None
-        self._rx = bytearray(_RX_BUFFER)
+        self._rx = bytearray(_TLS_RX_BUFFER)
         self._rx_view = memoryview(self._rx)
-        self._handshaken = False
+        self._rx_start = 0  # FAST mode: unparsed ciphertext is rx[start:filled]
+        self._rx_filled = 0
+        self._plain: bytearray | None = None  # FAST mode: records too big for the upper buffer
         self._closing = False
         self._upper_lost = False
-        self._extra: dict[str, Any] = {}
         self._upper_paused = False
-        self._corked: list[bytes | bytearray | memoryview] = []
+        self._extra: dict[str, Any] = {}
+        self._corked: list[bytes] = []
         self._corked_size = 0
         self._flush_scheduled = False
+        self._my_share = b""
+        self._peer_share = b""
+        self._sealer: records.Sealer | None = None
+        self._opener: records.Opener | None = None
 
     # ---------------------------------------------------------------- lower protocol side
 
     def connection_made(self, transport: Any) -> None:
         self._lower = transport
-        self._extra["peername"] = transport.get_extra_info("peername")
-        self._extra["sockname"] = transport.get_extra_info("sockname")
-        self._extra["socket"] = transport.get_extra_info("socket")
+        for name in ("peername", "sockname", "socket"):
+            self._extra[name] = transport.get_extra_info(name)
         if hasattr(transport, "set_write_buffer_limits"):
             transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
         self._step_handshake()
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._mode is _Mode.FAST:
+            return self._rx_view[self._rx_filled :]
         return self._rx_view
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._mode is _Mode.FAST:
+            self._rx_filled += nbytes
+            self._open_records()
+            return
         self._incoming.write(self._rx_view[:nbytes])
-        if not self._handshaken:
+        if self._mode is _Mode.HANDSHAKE:
             self._step_handshake()
-            if not self._handshaken:
-                return
-        self._decrypt()
+        if self._mode is _Mode.KEYS:
+            self._receive_key_share()
+        if self._mode is _Mode.TLS:
+            self._decrypt()
+        elif self._mode is _Mode.FAST:
+            self._open_records()
 
     def eof_received(self) -> bool:
-        self._incoming.write_eof()
-        if self._handshaken:
+        if self._mode is _Mode.TLS:
+            self._incoming.write_eof()
             self._decrypt()
         self._lose_upper(None)
         return False
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if not self._handshaken:
+        if self._mode in (_Mode.HANDSHAKE, _Mode.KEYS):
             self._fail_handshake(exc or ConnectionResetError("connection closed during TLS"))
         self._lose_upper(exc)
 
     def pause_writing(self) -> None:
         self._upper_paused = True
-        if self._handshaken and not self._upper_lost:
+        if self._ready and not self._upper_lost:
             self._upper.pause_writing()
 
     def resume_writing(self) -> None:
         self._upper_paused = False
-        if self._handshaken and not self._upper_lost:
+        if self._ready and not self._upper_lost:
             self._upper.resume_writing()
 
     # ---------------------------------------------------------------- upper transport side
@@ -120,54 +149,33 @@ class TLSLayer(asyncio.BufferedProtocol):
             return
         for data in buffers:
             size = len(data)
-            if size < _CORK_LIMIT and self._corked_size + size <= _CORK_LIMIT:
+            if size < _CORK_LIMIT:
+                if self._corked_size + size > _CORK_LIMIT:
+                    self._seal_corked()
                 self._corked.append(bytes(data))
                 self._corked_size += size
-                continue
-            self._encrypt_corked()
-            if size < _CORK_LIMIT:
-                self._corked.append(bytes(data))
-                self._corked_size = size
             else:
-                self._encrypt(data)
-        if self._corked and not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_corked)
-        elif not self._corked:
-            self._flush()
-
-    def _encrypt(self, data: bytes | bytearray | memoryview) -> None:
-        try:
-            self._ssl.write(data)
-        except ssl.SSLError as e:
-            self._abort_with(e)
-
-    def _encrypt_corked(self) -> None:
+                self._seal_corked()
+                self._seal(data)
         if self._corked:
-            data = self._corked[0] if len(self._corked) == 1 else b"".join(self._corked)
-            self._corked.clear()
-            self._corked_size = 0
-            self._encrypt(data)
-
-    def _flush_corked(self) -> None:
-        self._flush_scheduled = False
-        if not self._closing:
-            self._encrypt_corked()
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush_corked)
+        else:
             self._flush()
 
     def close(self) -> None:
         if self._closing:
             return
-        if self._handshaken:
-            self._encrypt_corked()
+        if self._ready:
+            self._seal_corked()
+            if self._mode is _Mode.TLS:
+                try:
+                    self._ssl.unwrap()  # queue close_notify
+                except (ssl.SSLError, ssl.SSLWantReadError):
+                    pass
             self._flush()
         self._closing = True
-        if self._handshaken:
-            try:
-                self._ssl.unwrap()  # queue close_notify
-            except (ssl.SSLError, ssl.SSLWantReadError):
-                pass
-            self._flush()
         if self._lower is not None:
             self._lower.close()
 
@@ -191,11 +199,43 @@ class TLSLayer(asyncio.BufferedProtocol):
     def get_write_buffer_size(self) -> int:
         return self._lower.get_write_buffer_size()
 
-    # ---------------------------------------------------------------- internals
+    # ---------------------------------------------------------------- sending
+
+    @property
+    def _ready(self) -> bool:
+        return self._mode in (_Mode.TLS, _Mode.FAST)
+
+    def _seal(self, data: bytes | bytearray | memoryview) -> None:
+        if self._mode is _Mode.FAST:
+            lower = self._lower
+            if lower is not None and not lower.is_closing():
+                for part in self._sealer.seal(data):
+                    lower.write(part)
+            return
+        try:
+            self._ssl.write(data)
+        except ssl.SSLError as e:
+            self._abort_with(e)
+
+    def _seal_corked(self) -> None:
+        if self._corked:
+            data = self._corked[0] if len(self._corked) == 1 else b"".join(self._corked)
+            self._corked.clear()
+            self._corked_size = 0
+            self._seal(data)
+
+    def _flush_corked(self) -> None:
+        self._flush_scheduled = False
+        if not self._closing:
+            self._seal_corked()
+            self._flush()
 
     def _flush(self) -> None:
+        """Hand TLS output (handshake, TLS-mode records) to the lower transport."""
         if self._outgoing.pending and self._lower is not None and not self._lower.is_closing():
             self._lower.write(self._outgoing.read())
+
+    # ---------------------------------------------------------------- handshake
 
     def _step_handshake(self) -> None:
         try:
@@ -209,31 +249,119 @@ class TLSLayer(asyncio.BufferedProtocol):
             self._lower.abort()
             return
         self._flush()
-        self._handshaken = True
         if not self._server_side:
-            der = self._ssl.getpeercert(binary_form=True)
             try:
-                self._extra["tls_peer_id"] = peer_id_from_certificate(der)
+                self._extra["tls_peer_id"] = peer_id_from_certificate(
+                    self._ssl.getpeercert(binary_form=True)
+                )
             except HandshakeError as e:
                 self._fail_handshake(e)
                 self._lower.abort()
                 return
         self._extra["ssl_object"] = self._ssl
         self._extra["cipher"] = self._ssl.cipher()
+        if self._ssl.selected_alpn_protocol() == FAST_RECORDS_ALPN:
+            self._mode = _Mode.KEYS
+            self._my_share = os.urandom(records.SHARE_SIZE)
+            self._ssl.write(self._my_share)
+            self._flush()
+            self._receive_key_share()
+        else:
+            self._mode = _Mode.TLS
+            self._extra["records"] = "tls"
+            self._connect_upper()
+            self._decrypt()
+
+    def _receive_key_share(self) -> None:
+        """Read the peer's share from TLS, then switch both directions to AES-GCM records.
+
+        The peer's share is the last TLS record it sends; whatever follows it in the BIO is
+        already AES-GCM records, so it is moved to the record buffer untouched."""
+        try:
+            while len(self._peer_share) < records.SHARE_SIZE:
+                self._peer_share += self._ssl.read(records.SHARE_SIZE - len(self._peer_share))
+        except ssl.SSLWantReadError:
+            self._flush()
+            return
+        except ssl.SSLError as e:
+            self._fail_handshake(e)
+            self._lower.abort()
+            return
+        if self._server_side:  # the peer dialed us
+            to_listener, to_dialer = records.derive_keys(self._peer_share, self._my_share)
+            send_key, receive_key = to_dialer, to_listener
+        else:
+            to_listener, to_dialer = records.derive_keys(self._my_share, self._peer_share)
+            send_key, receive_key = to_listener, to_dialer
+        self._sealer, self._opener = records.Sealer(send_key), records.Opener(receive_key)
+        leftover = self._incoming.read()
+        self._rx = bytearray(records.MAX_RECORD + records.LENGTH.size)
+        self._rx_view = memoryview(self._rx)
+        self._rx_view[: len(leftover)] = leftover
+        self._rx_start, self._rx_filled = 0, len(leftover)
+        self._mode = _Mode.FAST
+        self._extra["records"] = "aes-256-gcm"
+        self._connect_upper()
+        self._open_records()
+
+    def _connect_upper(self) -> None:
         self._upper.connection_made(self)
         if self._upper_paused:
             self._upper.pause_writing()
-        if self._incoming.pending:
-            self._decrypt()
+
+    # ---------------------------------------------------------------- receiving
+
+    def _open_records(self) -> None:
+        """Open every complete record into the upper protocol's buffers."""
+        view, opener, upper = self._rx_view, self._opener, self._upper
+        pos, end = self._rx_start, self._rx_filled
+        try:
+            while not self._upper_lost and end - pos >= records.LENGTH.size:
+                prefix = view[pos : pos + records.LENGTH.size]
+                length = opener.record_length(prefix)
+                body = pos + records.LENGTH.size
+                if end - body < length:
+                    break
+                size = length - records.TAG_SIZE
+                target = memoryview(upper.get_buffer(size))
+                if len(target) >= size:  # straight into the reader's memory
+                    opener.open_into(prefix, view[body : body + length], target[:size])
+                    upper.buffer_updated(size)
+                else:
+                    self._open_in_pieces(prefix, view[body : body + length], size)
+                pos = body + length
+        except SwarmgradError as e:
+            self._abort_with(e)
+            return
+        if pos == end:
+            pos = end = 0
+        elif len(view) - pos < records.MAX_RECORD + records.LENGTH.size:
+            # too little room left for the largest record: move the partial one to the front
+            view[: end - pos] = view[pos:end]
+            pos, end = 0, end - pos
+        self._rx_start, self._rx_filled = pos, end
+
+    def _open_in_pieces(self, prefix: memoryview, sealed: memoryview, size: int) -> None:
+        if self._plain is None or len(self._plain) < size:
+            self._plain = bytearray(max(size, 256 * 1024))
+        plain = memoryview(self._plain)[:size]
+        self._opener.open_into(prefix, sealed, plain)
+        offset = 0
+        while offset < size and not self._upper_lost:
+            target = memoryview(self._upper.get_buffer(size - offset))
+            n = min(len(target), size - offset)
+            if n == 0:
+                raise HandshakeError("upper protocol offered an empty buffer")
+            target[:n] = plain[offset : offset + n]
+            offset += n
+            self._upper.buffer_updated(n)
 
     def _decrypt(self) -> None:
-        """Decrypt everything buffered into the upper protocol's buffers.
+        """TLS mode: decrypt everything buffered into the upper protocol's buffers.
 
         ``SSLObject.read`` returns at most one record (16 KiB) per call, so each buffer the
-        upper protocol offers is filled by several reads before it is told once: the
-        per-record cost stays a C call, not a trip through the protocol's Python code."""
-        upper = self._upper
-        ssl_object = self._ssl
+        upper protocol offers is filled by several reads before it is told once."""
+        upper, ssl_object = self._upper, self._ssl
         while not self._upper_lost:
             if not self._incoming.pending and not ssl_object.pending():
                 break
@@ -265,7 +393,9 @@ class TLSLayer(asyncio.BufferedProtocol):
                 break
             if filled < size:
                 break  # the BIO is drained; wait for more ciphertext
-        self._flush()  # TLS 1.3 may answer key updates or send session tickets
+        self._flush()  # TLS 1.3 may answer key updates
+
+    # ---------------------------------------------------------------- failures
 
     def _fail_handshake(self, exc: BaseException) -> None:
         peer = self._extra.get("peername")
@@ -278,7 +408,7 @@ class TLSLayer(asyncio.BufferedProtocol):
         self._lose_upper(error)
 
     def _abort_with(self, exc: BaseException) -> None:
-        logger.debug("TLS error with %s: %s", self._extra.get("peername"), exc)
+        logger.debug("secure channel error with %s: %s", self._extra.get("peername"), exc)
         self._lose_upper(exc)
         self.abort()
 

@@ -36,6 +36,8 @@ from swarmgrad.utils.errors import HandshakeError
 
 __all__ = [
     "ALPN_PROTOCOL",
+    "FAST_RECORDS_ALPN",
+    "TLS_RECORDS_ENV",
     "client_ssl_context",
     "make_self_signed_certificate",
     "peer_id_from_certificate",
@@ -43,8 +45,12 @@ __all__ = [
     "server_ssl_context",
 ]
 
+FAST_RECORDS_ALPN = "swarmgrad/2"
+"""ALPN id of TLS 1.3 handshake + AES-GCM bulk records (see swarmgrad.net.records)."""
 ALPN_PROTOCOL = "swarmgrad/1"
-"""The ALPN protocol id both sides offer."""
+"""ALPN id of plain TLS 1.3 records; chosen when either side does not offer the fast one."""
+TLS_RECORDS_ENV = "SWARMGRAD_TLS_RECORDS"
+"""Set to 1 to offer only plain TLS records (for audits and comparisons)."""
 
 # Volunteers' clocks disagree: make certificates valid well before and long after now.
 _NOT_BEFORE_SLACK = datetime.timedelta(days=1)
@@ -52,7 +58,7 @@ _VALIDITY = datetime.timedelta(days=3650)
 _CONTEXT_CACHE_SIZE = 32
 
 _cache_lock = threading.Lock()
-_context_cache: OrderedDict[tuple[bytes, bool], ssl.SSLContext] = OrderedDict()
+_context_cache: OrderedDict[tuple[bytes, bool, bool], ssl.SSLContext] = OrderedDict()
 
 
 def make_self_signed_certificate(identity: Identity) -> tuple[bytes, bytes]:
@@ -106,7 +112,15 @@ def _make_context(identity: Identity, server_side: bool) -> ssl.SSLContext:
     # No CA and no host names: the dialer pins the PeerID proven by the certificate.
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols([ALPN_PROTOCOL])
+    offered = (
+        [ALPN_PROTOCOL]
+        if os.environ.get(TLS_RECORDS_ENV) == "1"
+        else [
+            FAST_RECORDS_ALPN,
+            ALPN_PROTOCOL,
+        ]
+    )
+    context.set_alpn_protocols(offered)
     if server_side:
         # Peers never resume sessions; tickets would only cost bytes and, when the client
         # closes right after the handshake, spurious connection-reset errors.
@@ -116,7 +130,7 @@ def _make_context(identity: Identity, server_side: bool) -> ssl.SSLContext:
 
 
 def _cached_context(identity: Identity, server_side: bool) -> ssl.SSLContext:
-    key = (identity.peer_id.to_bytes(), server_side)
+    key = (identity.peer_id.to_bytes(), server_side, os.environ.get(TLS_RECORDS_ENV) == "1")
     with _cache_lock:
         context = _context_cache.get(key)
         if context is not None:

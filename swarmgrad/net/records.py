@@ -1,0 +1,103 @@
+"""Bulk record protection after the TLS 1.3 handshake: AES-256-GCM records.
+
+Why: the stdlib's TLS record layer costs about 0.4 s per GB on each side here (it picks
+AES-256-GCM and copies every record through memory BIOs), while AES-GCM from
+``cryptography`` seals and opens above 7 GB/s. When both peers offer the ``swarmgrad/2``
+ALPN id, they keep TLS 1.3 for what it is good at (authenticated key agreement: the
+server's certificate is its ed25519 identity) and then protect their bytes with records
+keyed from secrets exchanged *inside* that TLS session. See docs/design-notes.md.
+
+Keys: each side draws a 32-byte share and sends it as its first TLS application data;
+``derive_keys`` runs HKDF-SHA256 over both shares (dialer's first), one key per direction.
+Records: ``u32 length | AES-256-GCM(plaintext)`` where length counts ciphertext and the
+16-byte tag and is the additional authenticated data; the 96-bit nonce is a per-direction
+counter, so a reordered, replayed, dropped or altered record fails authentication. This
+module is pure: sealing and opening, no I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from swarmgrad.utils.errors import FrameTooLarge, ProtocolViolation
+
+SHARE_SIZE = 32
+TAG_SIZE = 16
+LENGTH = struct.Struct(">I")
+MAX_RECORD_PLAINTEXT = 4 * 1024 * 1024
+MAX_RECORD = MAX_RECORD_PLAINTEXT + TAG_SIZE
+_NONCE_PREFIX = b"\x00\x00\x00\x00"
+_LABEL = b"swarmgrad records v1"
+
+
+def derive_keys(dialer_share: bytes, listener_share: bytes) -> tuple[bytes, bytes]:
+    """(dialer-to-listener key, listener-to-dialer key)."""
+    if len(dialer_share) != SHARE_SIZE or len(listener_share) != SHARE_SIZE:
+        raise ProtocolViolation(f"record key shares must be {SHARE_SIZE} bytes")
+    material = HKDF(
+        algorithm=hashes.SHA256(), length=64, salt=_LABEL, info=b"dialer|listener"
+    ).derive(dialer_share + listener_share)
+    return material[:32], material[32:]
+
+
+class Sealer:
+    """Protects outgoing plaintext as a sequence of records."""
+
+    def __init__(self, key: bytes):
+        self._aead = AESGCM(key)
+        self._counter = 0
+
+    def seal(self, plaintext: bytes | bytearray | memoryview) -> list[bytes]:
+        """Records for plaintext (split at MAX_RECORD_PLAINTEXT), as buffers to write."""
+        view = memoryview(plaintext).cast("B")
+        out: list[bytes] = []
+        for start in range(0, len(view), MAX_RECORD_PLAINTEXT):
+            chunk = view[start : start + MAX_RECORD_PLAINTEXT]
+            prefix = LENGTH.pack(len(chunk) + TAG_SIZE)
+            nonce = _NONCE_PREFIX + self._counter.to_bytes(8, "big")
+            self._counter += 1
+            sealed = self._aead.encrypt(nonce, chunk, prefix)
+            if len(chunk) < 64 * 1024:
+                out.append(prefix + sealed)
+            else:
+                out.extend((prefix, sealed))
+        return out
+
+
+class Opener:
+    """Authenticates and decrypts incoming records, in order."""
+
+    def __init__(self, key: bytes):
+        self._aead = AESGCM(key)
+        self._counter = 0
+
+    @staticmethod
+    def record_length(prefix: bytes | bytearray | memoryview) -> int:
+        """Total ciphertext length announced by a record's 4-byte prefix (checked)."""
+        (length,) = LENGTH.unpack(prefix)
+        if length > MAX_RECORD:
+            raise FrameTooLarge(f"record of {length} bytes exceeds the limit of {MAX_RECORD}")
+        if length <= TAG_SIZE:
+            raise ProtocolViolation(f"record of {length} bytes is shorter than its tag")
+        return length
+
+    def open_into(
+        self,
+        prefix: bytes | bytearray | memoryview,
+        sealed: bytes | bytearray | memoryview,
+        out: memoryview,
+    ) -> None:
+        """Decrypt ``sealed`` (len(out) + 16 bytes) into ``out``; ProtocolViolation if the
+        record was forged, altered, replayed or reordered. ``out`` is garbage on error."""
+        nonce = _NONCE_PREFIX + self._counter.to_bytes(8, "big")
+        try:
+            self._aead.decrypt_into(nonce, sealed, prefix, out)
+        except Exception:  # cryptography raises InvalidTag
+            raise ProtocolViolation(
+                f"record {self._counter} failed authentication (forged, altered or out of order)"
+            ) from None
+        self._counter += 1
