@@ -388,7 +388,9 @@ class Peer:
         handler's own errors."""
 
         async def run() -> Any:
-            conn = await self._get_connection(peer)
+            conn = self._connections.get(peer) if isinstance(peer, PeerID) else None
+            if conn is None or not conn.is_alive:
+                conn = await self._get_connection(peer)
             stream = conn.open_stream(rpc.call_header(name, timeout))
             return await rpc.unary_call(stream, request, name, self.max_message_size)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import struct
@@ -47,6 +48,11 @@ MAX_META_SIZE = 16 * 1024 * 1024
 DEFAULT_MAX_MESSAGE_SIZE = 1024 * 1024 * 1024
 _KIND_MESSAGE, _KIND_ERROR = 0, 1
 _SMALL_BLOB = 4096  # blobs below this are inlined into the meta write
+_EMPTY_LIST = 0x90  # msgpack fixarray of length 0: a message without blobs
+
+
+def _no_blobs(code: int, data: bytes) -> Any:
+    raise ProtocolViolation(f"message refers to an out-of-band buffer it does not carry ({code})")
 
 
 class Blob:
@@ -116,6 +122,15 @@ async def read_message(stream: Stream, max_size: int) -> tuple[int, Any] | None:
             f"limit of {limit} bytes"
         )
     meta = await stream.readexactly(meta_len)
+    if len(meta) >= 2 and meta[0] <= 1 and meta[1] == _EMPTY_LIST:  # no blobs: one unpack
+        try:
+            return meta[0], msgpack.unpackb(
+                memoryview(meta)[2:], raw=False, ext_hook=_no_blobs, strict_map_key=False
+            )
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as e:
+            raise ProtocolViolation(
+                f"malformed RPC message from {stream.remote_peer_id}: {e}"
+            ) from e
     buffers: list[bytearray] = []
 
     def ext_hook(code: int, data: bytes) -> Any:
@@ -294,6 +309,7 @@ async def _single_request(stream: Stream, name: str, max_message_size: int) -> A
 # ------------------------------------------------------------------------ calling
 
 
+@functools.lru_cache(maxsize=4096)
 def call_header(name: str, timeout: float | None) -> bytes:
     return msgpack.packb({"h": name, "t": timeout})
 
