@@ -127,20 +127,26 @@ def test_remote_errors_are_typed_and_carry_the_message(arun):
     arun(main)
 
 
+def add_slow_handler(server):
+    """A handler that sleeps for long; the events say when it started and was cancelled."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def slow(request, context):
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    server.add_handler("slow", slow)
+    return started, cancelled
+
+
 def test_deadline_cancels_the_remote_handler(arun):
     async def main():
         server, client, addr = await two_peers()
-        started, cancelled = asyncio.Event(), asyncio.Event()
-
-        async def slow(request, context):
-            started.set()
-            try:
-                await asyncio.sleep(30)
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
-
-        server.add_handler("slow", slow)
+        started, cancelled = add_slow_handler(server)
         with pytest.raises(DeadlineExceeded, match="'slow'"):
             await client.call(addr, "slow", None, timeout=0.3)
         await asyncio.wait_for(cancelled.wait(), 5)
@@ -152,17 +158,7 @@ def test_deadline_cancels_the_remote_handler(arun):
 def test_caller_cancellation_propagates_to_the_handler(arun):
     async def main():
         server, client, addr = await two_peers()
-        started, cancelled = asyncio.Event(), asyncio.Event()
-
-        async def slow(request, context):
-            started.set()
-            try:
-                await asyncio.sleep(30)
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
-
-        server.add_handler("slow", slow)
+        started, cancelled = add_slow_handler(server)
         call = asyncio.ensure_future(client.call(addr, "slow", None))
         await asyncio.wait_for(started.wait(), 5)
         call.cancel()
