@@ -23,6 +23,7 @@ from swarmgrad.utils.errors import (
     PeerUnreachable,
     RemoteError,
     UnknownHandler,
+    ValidationError,
 )
 
 
@@ -76,7 +77,10 @@ def test_all_four_streaming_shapes(arun):
         server.add_handler("total", total, stream_input=True)
         server.add_handler("double", double, stream_input=True, stream_output=True)
         assert [x async for x in client.iterate(addr, "count", 5)] == [0, 1, 2, 3, 4]
-        assert [x async for x in client.iterate(addr, "total", [1, 2, 3])] == [6]
+        got = [x async for x in client.iterate(addr, "total", [1, 2, 3], stream_input=True)]
+        assert got == [6]
+        with pytest.raises(ValidationError, match="must be an async generator"):
+            server.add_handler("wrong", total, stream_output=True)
 
         async def gen():
             for i in range(4):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
+import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
@@ -156,6 +156,11 @@ class Peer:
         """Register ``async fn(request, context)`` (an async generator if stream_output)."""
         if name in self._handlers:
             raise ValidationError(f"a handler named {name!r} is already registered")
+        if inspect.isasyncgenfunction(fn) != stream_output:
+            kind = "an async generator" if stream_output else "a coroutine function"
+            raise ValidationError(
+                f"handler {name!r} must be {kind} (stream_output={stream_output})"
+            )
         self._handlers[name] = rpc.Handler(name, fn, stream_input, stream_output)
 
     def remove_handler(self, name: str) -> None:
@@ -407,10 +412,12 @@ class Peer:
         timeout: float | None = None,
         stream_input: bool | None = None,
     ) -> AsyncIterator[Any]:
-        """Streaming call: send ``requests`` (one object, or an iterable / async iterable of
-        them when stream_input) and yield the responses as they arrive."""
+        """Streaming call: send ``requests`` and yield the responses as they arrive.
+
+        ``requests`` is one request, or with ``stream_input=True`` an iterable or async
+        iterable of them (an async iterable is taken as a stream unless told otherwise)."""
         if stream_input is None:
-            stream_input = hasattr(requests, "__aiter__") or isinstance(requests, list | tuple)
+            stream_input = hasattr(requests, "__aiter__")
         if not stream_input:
             requests = (requests,)
         loop = asyncio.get_running_loop()
@@ -478,8 +485,7 @@ class Peer:
         # Let transports deliver their close before the caller tears the loop down.
         for _ in range(3):
             await asyncio.sleep(0)
-        with contextlib.suppress(Exception):
-            self._connections.clear()
+        self._connections.clear()
 
     async def __aenter__(self) -> Peer:
         return self

@@ -391,15 +391,6 @@ async def unary_call(stream: Stream, request: Any, name: str, max_message_size: 
             stream.reset(f"caller abandoned call {name!r}")
 
 
-async def unary_result(responses: AsyncIterator[Any], name: str, peer: PeerID) -> Any:
-    results = []
-    async for response in responses:
-        results.append(response)
-    if len(results) != 1:
-        raise ProtocolViolation(f"{peer} answered {len(results)} messages to unary call {name!r}")
-    return results[0]
-
-
 async def with_deadline(awaitable: Awaitable[Any], timeout: float | None, what: str) -> Any:
     try:
         async with asyncio.timeout(timeout):
