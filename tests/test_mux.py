@@ -330,3 +330,54 @@ def test_data_frame_that_fills_the_scratch_exactly_is_received(arun):
         await settle()
 
     arun(main)
+
+
+def test_tls_certificate_of_another_peer_than_the_hello_is_refused(arun):
+    """A relay-style man in the middle: the TLS session is with one identity, the
+    handshake claims another."""
+
+    class TLSTransport(MemoryTransport):
+        tls_peer_id = None
+
+        def get_extra_info(self, name, default=None):
+            if name == "tls_peer_id":
+                return self.tls_peer_id
+            return super().get_extra_info(name, default)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a = Connection(Identity.generate(), is_dialer=True)
+        b = Connection(Identity.generate(), is_dialer=False)
+        ta, tb = TLSTransport(loop), MemoryTransport(loop)
+        ta.tls_peer_id = Identity.generate().peer_id  # the certificate the dialer saw
+        ta.peer, tb.peer, ta.protocol, tb.protocol = tb, ta, a, b
+        a.connection_made(ta)
+        b.connection_made(tb)
+        with pytest.raises(PeerIDMismatch, match="TLS certificate"):
+            await a.handshake_done
+        await settle()
+
+    arun(main)
+
+
+def test_forged_auth_signature_is_refused(arun):
+    from swarmgrad.utils.errors import HandshakeError
+
+    class Forger(Identity):
+        def sign(self, data: bytes) -> bytes:
+            return bytes(64)  # claims the identity without its key
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = Identity.generate()
+        a = Connection(Identity.generate(), is_dialer=True)
+        b = Connection(Forger(real.private_key), is_dialer=False)
+        ta, tb = MemoryTransport(loop), MemoryTransport(loop)
+        ta.peer, tb.peer, ta.protocol, tb.protocol = tb, ta, a, b
+        a.connection_made(ta)
+        b.connection_made(tb)
+        with pytest.raises(HandshakeError, match="failed to prove possession"):
+            await a.handshake_done
+        await settle()
+
+    arun(main)
