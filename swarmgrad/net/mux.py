@@ -73,7 +73,7 @@ class Stream:
         self._send_credit = initial_credit
         self._credit_waiter: asyncio.Future | None = None
         self._send_fin = False
-        self._failed: asyncio.Future | None = None
+        self._failure_callbacks: list[Callable[[], None]] = []
 
     @property
     def remote_peer_id(self) -> PeerID:
@@ -134,8 +134,9 @@ class Stream:
         if self._error is None:
             self._error = exc
         self._wake()
-        if self._failed is not None and not self._failed.done():
-            self._failed.set_result(None)
+        callbacks, self._failure_callbacks = self._failure_callbacks, []
+        for callback in callbacks:
+            self.conn._loop.call_soon(callback)
         if self._credit_waiter is not None and not self._credit_waiter.done():
             self._credit_waiter.set_result(None)
 
@@ -174,10 +175,8 @@ class Stream:
         """Call ``callback()`` once if the stream is reset or its connection dies."""
         if self._error is not None:
             self.conn._loop.call_soon(callback)
-            return
-        if self._failed is None:
-            self._failed = self.conn._loop.create_future()
-        self._failed.add_done_callback(lambda _: callback())
+        else:
+            self._failure_callbacks.append(callback)
 
     # ---------------------------------------------------------------- reading (user side)
 

@@ -246,8 +246,11 @@ async def serve_call(
 
         stream.on_failure(on_stream_failure)
         try:
-            async with asyncio.timeout_at(deadline):
+            if deadline is None:
                 await _run_handler(stream, handler, context, max_message_size)
+            else:
+                async with asyncio.timeout_at(deadline):
+                    await _run_handler(stream, handler, context, max_message_size)
         except asyncio.CancelledError:
             if not caller_gone or task.uncancel() > 0:
                 raise
@@ -314,6 +317,7 @@ def call_header(name: str, timeout: float | None) -> bytes:
     return msgpack.packb({"h": name, "t": timeout})
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_call_header(header: bytes) -> tuple[str, float | None]:
     try:
         raw = msgpack.unpackb(header, raw=False)
