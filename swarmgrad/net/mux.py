@@ -277,9 +277,10 @@ class Stream:
                 finally:
                     self._credit_waiter = None
                 continue
-            await conn._wait_writable()
-            if self._error is not None:
-                raise self._error
+            if conn._write_paused or conn._dead:
+                await conn._wait_writable()
+                if self._error is not None:
+                    raise self._error
             n = min(len(view), self._send_credit, conn._remote_max_frame)
             self._send_credit -= n
             last = fin and n == len(view)
@@ -532,37 +533,34 @@ class Connection(asyncio.BufferedProtocol):
         max_frame = self._local_max_frame
         while not self._dead and end - pos >= header_size:
             length, stream_id, frame_type, flags = unpack(view, pos)
-            if frame_type == FrameType.DATA and length <= max_frame and flags <= FLAG_FIN:
-                header = framing.FrameHeader(length, stream_id, FrameType.DATA, flags)
-            else:  # the slow path validates and names what is wrong
-                header = framing.decode_header(view[pos : pos + header_size], max_frame)
             body_start = pos + header_size
-            if header.type != FrameType.DATA:
-                if end - body_start < header.length:
+            if frame_type != FrameType.DATA or length > max_frame or flags > FLAG_FIN:
+                # control frames, and anything malformed (decode_header names the problem)
+                header = framing.decode_header(view[pos:body_start], max_frame)
+                if end - body_start < length:
                     break  # control payloads are small; wait for the rest in the scratch
-                pos = body_start + header.length
+                pos = body_start + length
                 self._on_control(header, bytes(view[body_start:pos]))
                 continue
-            available = min(end - body_start, header.length)
-            stream = self._data_stream(header.stream_id)
-            remainder = header.length - available
-            fits_in_scratch = framing.HEADER_SIZE + header.length <= SCRATCH_SIZE
-            if remainder and (remainder > _SMALL_PAYLOAD or not fits_in_scratch):
+            available = min(end - body_start, length)
+            stream = self._data_stream(stream_id)
+            remainder = length - available
+            if remainder and (remainder > _SMALL_PAYLOAD or header_size + length > SCRATCH_SIZE):
                 # A large payload: take what arrived, receive the rest outside the scratch.
                 if stream is not None and available:
                     stream._on_data(memoryview(bytes(view[body_start : body_start + available])))
-                self._payload_left = header.length - available
-                self._payload_stream, self._payload_fin = stream, header.fin
+                self._payload_left = remainder
+                self._payload_stream, self._payload_fin = stream, bool(flags & FLAG_FIN)
                 self._payload_buf, self._payload_direct = None, False
                 pos = body_start + available
                 break
-            if available < header.length:
+            if remainder:
                 break  # small remainder: wait for it in the scratch
-            pos = body_start + header.length
+            pos = body_start + length
             if stream is not None:
-                if header.length:
+                if length:
                     stream._on_data(memoryview(bytes(view[body_start:pos])))
-                if header.fin:
+                if flags & FLAG_FIN:
                     stream._on_fin()
                     self._maybe_forget(stream)
         if pos:

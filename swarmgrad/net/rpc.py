@@ -51,6 +51,16 @@ _SMALL_BLOB = 4096  # blobs below this are inlined into the meta write
 _EMPTY_LIST = 0x90  # msgpack fixarray of length 0: a message without blobs
 
 
+def _plain_default(obj: Any) -> Any:
+    if isinstance(obj, PeerID):
+        return obj.to_bytes()
+    raise TypeError(f"cannot send an object of type {type(obj).__name__} in an RPC message")
+
+
+def _plain_packer(body: Any) -> bytes:
+    return msgpack.packb(body, default=_plain_default, use_bin_type=True)
+
+
 def _no_blobs(code: int, data: bytes) -> Any:
     raise ProtocolViolation(f"message refers to an out-of-band buffer it does not carry ({code})")
 
@@ -75,6 +85,14 @@ class Blob:
 
 def encode_message(body: Any, kind: int = _KIND_MESSAGE) -> list[bytes | memoryview]:
     """Encode a message into buffers to write in order (Blob contents are not copied)."""
+    try:  # fast path: a message of plain values (most small RPCs)
+        packed = _plain_packer(body)
+    except TypeError:
+        pass
+    else:
+        if len(packed) + 2 <= MAX_META_SIZE:
+            meta = bytes((kind, _EMPTY_LIST)) + packed
+            return [_META_LEN.pack(len(meta)) + meta]
     blobs: list[memoryview] = []
 
     def default(obj: Any) -> Any:
