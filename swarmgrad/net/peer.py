@@ -78,6 +78,7 @@ class Peer:
         self._tasks: set[asyncio.Task] = set()
         self._relayed_addrs: list[Multiaddr] = []
         self._closed = False
+        self._loop = asyncio.get_running_loop()
         self._keepalive: asyncio.Task | None = None
         if keepalive_interval is not None:
             self._keepalive = asyncio.ensure_future(self._keep_connections_alive())
@@ -368,7 +369,7 @@ class Peer:
                 del self._inflight[remote]
 
     def _spawn(self, coro: Any) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
+        task = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task

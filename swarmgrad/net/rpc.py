@@ -247,13 +247,13 @@ async def serve_call(
             body = {"type": error_type, "message": message}
             await write_message(stream, body, _KIND_ERROR, last=True)
             return
-        loop = asyncio.get_running_loop()
+        loop = stream.conn._loop
         deadline = None if timeout is None else loop.time() + timeout
         context = RPCContext(peer, handler_name, deadline, stream)
         # The handler runs in this task (no helper task: small calls are the hot path). If
         # the caller resets the stream, this task is cancelled; that one cancellation is
         # absorbed here, any other (peer shutdown) propagates.
-        task = asyncio.current_task()
+        task = asyncio.current_task(loop)
         caller_gone = False
 
         def on_stream_failure() -> None:

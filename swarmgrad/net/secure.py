@@ -78,6 +78,7 @@ class TLSLayer(asyncio.BufferedProtocol):
         self._closing = False
         self._upper_lost = False
         self._upper_paused = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._extra: dict[str, Any] = {}
         self._corked: list[bytes] = []
         self._corked_size = 0
@@ -91,6 +92,7 @@ class TLSLayer(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: Any) -> None:
         self._lower = transport
+        self._loop = asyncio.get_running_loop()
         for name in ("peername", "sockname", "socket"):
             self._extra[name] = transport.get_extra_info(name)
         if hasattr(transport, "set_write_buffer_limits"):
@@ -160,7 +162,7 @@ class TLSLayer(asyncio.BufferedProtocol):
         if self._corked:
             if not self._flush_scheduled:
                 self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._flush_corked)
+                self._loop.call_soon(self._flush_corked)
         else:
             self._flush()
 
