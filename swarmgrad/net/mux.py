@@ -289,6 +289,7 @@ class Stream:
             conn._send_data(self.stream_id, view[:n], fin=last)
             view = view[n:]
         if fin:
+            conn._end_of_message()
             conn._maybe_forget(self)
 
     async def write_eof(self, data: bytes | bytearray | memoryview = b"") -> None:
@@ -302,6 +303,7 @@ class Stream:
         if self._error is None and not self._send_fin:
             self._send_fin = True
             self.conn._send_data(self.stream_id, b"", fin=True)
+            self.conn._end_of_message()
             self.conn._maybe_forget(self)
 
     def reset(self, reason: str = "", code: ResetCode = ResetCode.CANCELLED) -> None:
@@ -516,6 +518,12 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.write(header + bytes(payload))
         else:
             self.transport.writelines((header, payload))
+
+    def _end_of_message(self) -> None:
+        """A stream finished writing: let a corking transport send now, not next tick."""
+        flush = getattr(self.transport, "flush", None)
+        if flush is not None:
+            flush()
 
     async def _wait_writable(self) -> None:
         while self._write_paused and not self._dead:

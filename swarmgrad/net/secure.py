@@ -166,6 +166,12 @@ class TLSLayer(asyncio.BufferedProtocol):
         else:
             self._flush()
 
+    def flush(self) -> None:
+        """Seal and send corked writes now (the upper protocol finished a message)."""
+        if self._corked and not self._closing:
+            self._seal_corked()
+            self._flush()
+
     def close(self) -> None:
         if self._closing:
             return
