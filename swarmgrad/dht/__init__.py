@@ -1,0 +1,1 @@
+"""The distributed hash table: Kademlia routing, storage, record validators, the DHT facade."""
