@@ -1,0 +1,211 @@
+"""The ``DHT`` facade: hivemind's user-facing DHT, for synchronous code.
+
+``DHT`` starts this process's peer and a :class:`~swarmgrad.dht.node.DHTNode` on it, on the
+process's background event loop (:mod:`swarmgrad.utils.loop_thread`), and offers blocking
+or future-returning ``get``/``store``. Unlike hivemind it forks no process and runs no
+sidecar daemon: the expert server, averagers and optimizer of the same process reuse
+``dht.peer`` and ``dht.node`` directly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from swarmgrad.dht.node import DHTNode
+from swarmgrad.dht.storage import ValueWithExpiration
+from swarmgrad.dht.validation import RecordValidatorBase
+from swarmgrad.net.multiaddr import Multiaddr
+from swarmgrad.net.peer import Peer
+from swarmgrad.utils.errors import PeerUnreachable, ValidationError
+from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
+
+logger = logging.getLogger(__name__)
+
+_PEER_OPTIONS = {
+    "max_message_size",
+    "max_concurrent_calls_per_peer",
+    "handshake_timeout",
+    "dial_timeout",
+    "keepalive_interval",
+    "allow_relay",
+}
+
+
+class DHT:
+    """A peer of the swarm's DHT.
+
+    ``DHT(initial_peers=[...], start=True)`` joins the swarm through any of the initial
+    peers' multiaddrs (an error names them all if none answers). ``client_mode=True`` opens
+    no listener and stores nothing for others; such a peer stays reachable through its
+    initial peers acting as relays. Other keyword arguments go to
+    :class:`~swarmgrad.dht.node.DHTNode` (bucket_size, num_replicas, wait_timeout,
+    cache_size, ...) or to the peer (max_message_size, dial_timeout, allow_relay, ...).
+    """
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str | Multiaddr] | None = None,
+        *,
+        start: bool = False,
+        client_mode: bool = False,
+        host_maddrs: Iterable[str] = ("/ip4/127.0.0.1/tcp/0",),
+        announce_maddrs: Iterable[str] | None = None,
+        identity_path: str | None = None,
+        record_validators: Iterable[RecordValidatorBase] = (),
+        use_relay: bool = True,
+        startup_timeout: float = 60.0,
+        shutdown_timeout: float = 10.0,
+        daemon: bool = True,  # accepted for hivemind compatibility; nothing is forked
+        num_workers: int | None = None,  # accepted for hivemind compatibility
+        await_ready: bool = True,
+        **kwargs: Any,
+    ):
+        self.initial_peers = [str(m) for m in initial_peers or ()]
+        self._client_mode = client_mode
+        self.host_maddrs = list(host_maddrs)
+        self.announce_maddrs = list(announce_maddrs or ())
+        self.identity_path = identity_path
+        self.use_relay = use_relay
+        self.startup_timeout, self.shutdown_timeout = startup_timeout, shutdown_timeout
+        self._validators = list(record_validators)
+        self._peer_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _PEER_OPTIONS}
+        self._node_kwargs = kwargs
+        self.peer: Peer | None = None
+        self.node: DHTNode | None = None
+        if start:
+            self.run_in_background(await_ready=await_ready)
+
+    # ------------------------------------------------------------------ life cycle
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None):
+        """Start the peer and join the swarm; with await_ready, wait until joined."""
+        if self.peer is not None:
+            raise ValidationError("this DHT is already running")
+        future = run_coroutine_future(self._start())
+        if await_ready:
+            future.result(timeout if timeout is not None else self.startup_timeout)
+        return future
+
+    async def _start(self) -> None:
+        from swarmgrad.dht.validation import CompositeValidator
+
+        peer_kwargs = dict(
+            identity_path=self.identity_path,
+            host_maddrs=self.host_maddrs,
+            announce_maddrs=self.announce_maddrs,
+            client_mode=self._client_mode,
+            **self._peer_kwargs,
+        )
+        if self._client_mode and self.use_relay and self.initial_peers:
+            try:
+                peer = await Peer.create(
+                    relays=self.initial_peers, relay_wait_timeout=10.0, **peer_kwargs
+                )
+            except PeerUnreachable as e:
+                logger.warning("no relay for this client-mode peer, others cannot call it: %s", e)
+                peer = await Peer.create(**peer_kwargs)
+        else:
+            peer = await Peer.create(**peer_kwargs)
+        try:
+            node = await DHTNode.create(
+                peer,
+                self.initial_peers,
+                client_mode=self._client_mode,
+                record_validator=CompositeValidator(self._validators),
+                **self._node_kwargs,
+            )
+        except BaseException:
+            await peer.shutdown()
+            raise
+        self.peer, self.node = peer, node
+
+    def shutdown(self) -> None:
+        """Leave the swarm: stop the node and close every connection (idempotent)."""
+        peer, node = self.peer, self.node
+        self.peer = self.node = None
+        if peer is None:
+            return
+
+        async def stop() -> None:
+            if node is not None:
+                await node.shutdown()
+            await peer.shutdown()
+
+        run_coroutine(stop(), timeout=self.shutdown_timeout)
+
+    def is_alive(self) -> bool:
+        return self.node is not None
+
+    def __enter__(self) -> DHT:
+        if self.peer is None:
+            self.run_in_background()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def peer_id(self):
+        return self._running().peer_id
+
+    @property
+    def client_mode(self) -> bool:
+        return self._client_mode
+
+    def get_visible_maddrs(self, latest: bool = False) -> list[Multiaddr]:
+        """Addresses other peers can use to reach this one (relayed ones in client mode)."""
+        return self._running().get_visible_maddrs()
+
+    def _running(self) -> Peer:
+        if self.peer is None or self.node is None:
+            raise ValidationError("the DHT is not running: call run_in_background() first")
+        return self.peer
+
+    # ------------------------------------------------------------------ get / store
+
+    def get(
+        self, key: Any, latest: bool = False, return_future: bool = False
+    ) -> ValueWithExpiration | concurrent.futures.Future | None:
+        """``ValueWithExpiration(value, expiration_time)`` or None (see DHTNode.get)."""
+        self._running()
+        node = self.node
+        return self._result(node.get(key, latest=latest), return_future)
+
+    def store(
+        self,
+        key: Any,
+        value: Any,
+        expiration_time: float,
+        subkey: Any = None,
+        return_future: bool = False,
+    ) -> bool | concurrent.futures.Future:
+        """Store value under key (and subkey) until expiration_time (get_dht_time() + s)."""
+        self._running()
+        node = self.node
+        return self._result(node.store(key, value, expiration_time, subkey=subkey), return_future)
+
+    def run_coroutine(
+        self, coro: Callable[[DHT, DHTNode], Any], return_future: bool = False
+    ) -> Any:
+        """Run ``await coro(dht, node)`` on the peer's event loop (custom protocols)."""
+        self._running()
+        return self._result(coro(self, self.node), return_future)
+
+    def add_validators(self, record_validators: Iterable[RecordValidatorBase]) -> None:
+        """Add record validators to a running (or not yet started) DHT."""
+        validators = list(record_validators)
+        if self.node is None:
+            self._validators.extend(validators)
+        else:
+            self.node.protocol_validator.extend(validators)
+
+    @staticmethod
+    def _result(coro: Any, return_future: bool) -> Any:
+        if return_future:
+            return run_coroutine_future(coro)
+        return run_coroutine(coro)

