@@ -142,7 +142,9 @@ def _short(value: object, limit: int = 80) -> str:
 # --- PeerID ---------------------------------------------------------------------------
 
 
-_BASE58_CACHE: dict[bytes, str] = {}
+_BASE58_CACHE: dict[bytes, str] = {}  # validated id bytes -> base58 text
+_PARSED_CACHE: dict[str, PeerID] = {}  # base58 text -> parsed id
+_VALIDATED: set[bytes] = set()  # id bytes that passed __post_init__
 
 
 @dataclass(frozen=True, order=True)
@@ -162,6 +164,8 @@ class PeerID:
             object.__setattr__(self, "_bytes", raw)
         if not isinstance(raw, bytes):
             raise ValidationError(f"PeerID expects bytes, got {type(raw).__name__}")
+        if raw in _VALIDATED:  # seen (and validated) before: ids recur in every message
+            return
         try:
             code, pos = _decode_varint(raw, 0)
             length, pos = _decode_varint(raw, pos)
@@ -188,12 +192,26 @@ class PeerID:
                 f"PeerID bytes {_short(raw)}: unsupported multihash code {code:#x} "
                 "(expected identity 0x00 or sha2-256 0x12)"
             )
+        if len(_VALIDATED) > 65536:
+            _VALIDATED.clear()
+        _VALIDATED.add(raw)
 
     # construction
 
     @classmethod
     def from_base58(cls, text: str) -> PeerID:
         """Parse the usual string form (``12D3KooW...`` or ``Qm...``)."""
+        known = _PARSED_CACHE.get(text) if isinstance(text, str) else None
+        if known is not None:
+            return known
+        peer_id = cls._parse_base58(text)
+        if len(_PARSED_CACHE) > 65536:
+            _PARSED_CACHE.clear()
+        _PARSED_CACHE[text] = peer_id
+        return peer_id
+
+    @classmethod
+    def _parse_base58(cls, text: str) -> PeerID:
         if not isinstance(text, str):
             raise ValidationError(f"PeerID.from_base58 expects str, got {type(text).__name__}")
         if not text or len(text) > _MAX_BASE58_LENGTH or not text.isascii():

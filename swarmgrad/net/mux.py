@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 4 * 1024 * 1024
 DEFAULT_MAX_FRAME = 1024 * 1024
-SCRATCH_SIZE = 256 * 1024
+SCRATCH_SIZE = 256 * 1024  # largest receive scratch buffer of a busy connection
+_INITIAL_SCRATCH = 16 * 1024  # a DHT peer holds hundreds of mostly idle connections
 # Payload bytes at most copied out of the scratch buffer; larger remainders get their own.
 _SMALL_PAYLOAD = 16 * 1024
 
@@ -378,7 +379,7 @@ class Connection(asyncio.BufferedProtocol):
         self._write_waiters: list[asyncio.Future] = []
         self._pings: dict[bytes, asyncio.Future] = {}
         # receive state machine
-        self._scratch = bytearray(SCRATCH_SIZE)
+        self._scratch = bytearray(_INITIAL_SCRATCH)
         self._scratch_view = memoryview(self._scratch)
         self._filled = 0
         self._payload_left = 0  # >0 while receiving the rest of a DATA payload
@@ -419,7 +420,10 @@ class Connection(asyncio.BufferedProtocol):
                 self._payload_received(nbytes)
             else:
                 self._filled += nbytes
+                busy = self._filled == len(self._scratch)
                 self._parse_scratch()
+                if busy and len(self._scratch) < SCRATCH_SIZE:
+                    self._resize_scratch(min(2 * len(self._scratch), SCRATCH_SIZE))
         except SwarmgradError as e:
             self._fail(e)
 
@@ -546,6 +550,10 @@ class Connection(asyncio.BufferedProtocol):
                 # control frames, and anything malformed (decode_header names the problem)
                 header = framing.decode_header(view[pos:body_start], max_frame)
                 if end - body_start < length:
+                    if header_size + length > len(view):  # grow so the frame fits
+                        self._compact(pos, end)
+                        self._resize_scratch(header_size + length)
+                        return
                     break  # control payloads are small; wait for the rest in the scratch
                 pos = body_start + length
                 self._on_control(header, bytes(view[body_start:pos]))
@@ -553,7 +561,7 @@ class Connection(asyncio.BufferedProtocol):
             available = min(end - body_start, length)
             stream = self._data_stream(stream_id)
             remainder = length - available
-            if remainder and (remainder > _SMALL_PAYLOAD or header_size + length > SCRATCH_SIZE):
+            if remainder and (remainder > _SMALL_PAYLOAD or header_size + length > len(view)):
                 # A large payload: take what arrived, receive the rest outside the scratch.
                 if stream is not None and available:
                     stream._on_data(memoryview(bytes(view[body_start : body_start + available])))
@@ -571,10 +579,19 @@ class Connection(asyncio.BufferedProtocol):
                 if flags & FLAG_FIN:
                     stream._on_fin()
                     self._maybe_forget(stream)
+        self._compact(pos, end)
+
+    def _compact(self, pos: int, end: int) -> None:
+        """Move the unparsed bytes scratch[pos:end] to the front."""
         if pos:
             remaining = end - pos
-            view[:remaining] = view[pos:end]
+            self._scratch_view[:remaining] = self._scratch_view[pos:end]
             self._filled = remaining
+
+    def _resize_scratch(self, size: int) -> None:
+        grown = bytearray(max(size, self._filled))
+        grown[: self._filled] = self._scratch_view[: self._filled]
+        self._scratch, self._scratch_view = grown, memoryview(grown)
 
     def _payload_received(self, nbytes: int) -> None:
         stream = self._payload_stream

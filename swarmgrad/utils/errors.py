@@ -82,3 +82,8 @@ class IdentityFileError(SwarmgradError):
 
 class CodecError(ValidationError):
     """A serialized tensor or codec payload is inconsistent with its header."""
+
+
+class StorageLimitExceeded(ValidationError):
+    """A DHT record was refused because it breaks a storage limit: too large a value or
+    subkey, an expiration too far ahead, or too many records from one peer."""
