@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 
 from swarmgrad.net.identity import Identity
@@ -11,6 +12,23 @@ from swarmgrad.net.secure import TLSLayer
 from swarmgrad.net.tls import client_ssl_context, server_ssl_context
 
 ProtocolFactory = Callable[[], asyncio.BaseProtocol]
+
+
+def _dialable_hosts(host: str) -> list[str]:
+    """A wildcard listen address (0.0.0.0, ::) stands for this machine's addresses: list
+    the ones others can dial (loopback first, then what the host name resolves to)."""
+    if host not in ("0.0.0.0", "::"):
+        return [host]
+    family = socket.AF_INET if host == "0.0.0.0" else socket.AF_INET6
+    hosts = ["127.0.0.1" if family == socket.AF_INET else "::1"]
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, family):
+            address = info[4][0]
+            if address not in hosts and not address.startswith(("127.", "fe80")):
+                hosts.append(address)
+    except OSError:
+        pass
+    return hosts
 
 
 class TCPBackend:
@@ -34,8 +52,9 @@ class TCPBackend:
         bound = []
         for sock in server.sockets:
             host, port = sock.getsockname()[:2]
-            bound.append(Multiaddr.from_host_port(host, port))
-        return bound
+            for address in _dialable_hosts(host):
+                bound.append(Multiaddr.from_host_port(address, port))
+        return list(dict.fromkeys(bound))
 
     async def dial(self, maddr: Multiaddr, upper: asyncio.BaseProtocol) -> TLSLayer:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,1 @@
+"""Command-line entry points: ``swarmgrad dht`` (bootstrap / relay peer), more to come."""

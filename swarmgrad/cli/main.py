@@ -1,0 +1,23 @@
+"""``swarmgrad``: the command-line entry point and its subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from swarmgrad.cli import dht_command
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="swarmgrad",
+        description="Train large neural networks on computers lent over the internet.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    dht_command.add_parser(commands)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
