@@ -154,7 +154,8 @@ class DHTNode:
         )
         self.storage = DHTLocalStorage(max_records_per_source=max_records_per_peer, **limits)
         self.cache = DHTLocalStorage(maxsize=cache_size, **limits)
-        self.max_key_bytes = max_key_bytes
+        self.max_key_bytes, self.max_value_bytes = max_key_bytes, max_value_bytes
+        self.max_expiration_ahead = max_expiration_ahead
         self.blacklist = Blacklist(blacklist_time, backoff_rate, time_fn)
         self._loop = asyncio.get_running_loop()
         self._pending_finds: dict[PeerID, list[tuple[DHTID, asyncio.Future]]] = {}
@@ -534,7 +535,20 @@ class DHTNode:
         subkey_bytes = None if subkey is None else serialize(subkey)
         # A delete is the value None (msgpack nil) with a later expiration: an ordinary
         # record, so validators judge (and owners sign) deletes like any other write.
-        record = DHTRecord(key_bytes, subkey_bytes or NO_SUBKEY, serialize(value), expiration_time)
+        value_bytes = serialize(value)
+        if len(value_bytes) > self.max_value_bytes:
+            raise ValidationError(
+                f"the value for key {key!r:.60} is {len(value_bytes)} bytes serialized, over "
+                f"the limit of {self.max_value_bytes} (large data belongs in averaging or "
+                f"state transfer, not in DHT records)"
+            )
+        ahead = expiration_time - self.time_fn()
+        if ahead > self.max_expiration_ahead:
+            raise ValidationError(
+                f"the record for key {key!r:.60} would expire in {ahead:.0f} s, more than the "
+                f"{self.max_expiration_ahead:.0f} s peers accept"
+            )
+        record = DHTRecord(key_bytes, subkey_bytes or NO_SUBKEY, value_bytes, expiration_time)
         signed = self.protocol_validator.sign_value(record)
         return StoreItem(key_bytes, subkey_bytes, signed, float(expiration_time))
 
@@ -548,8 +562,8 @@ class DHTNode:
             logger.debug("bad store answer from %s: %s", peer_id, e)
             return ["malformed answer"] * len(items)
         for item, error in zip(items, results, strict=True):
-            if error is not None:
-                logger.debug("%s refused to store %r: %s", peer_id, item.key[:40], error)
+            if error is not None and not error.startswith("a record with a later"):
+                logger.warning("%s refused to store key %r: %s", peer_id, item.key[:40], error)
         return results
 
     def _store_locally(self, item: StoreItem, source: PeerID) -> str | None:
