@@ -1,0 +1,190 @@
+"""DHTNode behaviours on the simulated network: caching, coalescing, hand-off, blacklist,
+client mode and clock skew."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+from swarmgrad.dht import protocol
+from swarmgrad.dht.node import DHTNode, serialize
+from swarmgrad.dht.routing import DHTID
+from swarmgrad.net.sim import run_simulation
+from swarmgrad.net.sim.backend import create_sim_peer
+
+EPOCH = 1.8e9
+
+
+async def make_nodes(network, count, rng, **kwargs):
+    loop = asyncio.get_running_loop()
+    kwargs.setdefault("time_fn", lambda: EPOCH + loop.time())
+    nodes = [await DHTNode.create(await create_sim_peer(network, rng=rng), [], **kwargs)]
+    for _ in range(count - 1):
+        peer = await create_sim_peer(network, rng=rng)
+        nodes.append(
+            await DHTNode.create(peer, [str(nodes[0].peer.get_visible_maddrs()[0])], **kwargs)
+        )
+    return nodes
+
+
+async def stop(nodes):
+    for node in nodes:
+        await node.shutdown()
+        await node.peer.shutdown()
+
+
+def count_finds(node):
+    """Wrap a node's find handler to count the requests it serves."""
+    counter = {"requests": 0, "keys": 0}
+    original = node._rpc_find
+
+    async def counting(request, context):
+        counter["requests"] += 1
+        counter["keys"] += len(request["keys"])
+        return await original(request, context)
+
+    node.peer.remove_handler(protocol.FIND)
+    node.peer.add_handler(protocol.FIND, counting)
+    return counter
+
+
+def test_found_values_are_cached_locally_and_on_the_path():
+    async def main(network):
+        nodes = await make_nodes(network, 30, random.Random(0), cache_nearest=1)
+        now = nodes[0].time_fn()
+        assert await nodes[1].store("hot", "value", now + 100)
+        reader = nodes[20]
+        reader.cache.clear()
+        assert (await reader.get("hot")).value == "value"
+        key_id = DHTID.generate(serialize("hot"))
+        assert reader.cache.get(key_id) is not None  # cached locally
+        await asyncio.sleep(0.5)  # path caching runs in the background
+        cached_elsewhere = sum(1 for n in nodes if n is not reader and n.cache.get(key_id))
+        await stop(nodes)
+        return cached_elsewhere
+
+    assert run_simulation(main, latency=0.02) >= 1
+
+
+def test_concurrent_gets_of_one_key_share_one_lookup():
+    async def main(network):
+        nodes = await make_nodes(network, 12, random.Random(1))
+        now = nodes[0].time_fn()
+        assert await nodes[2].store("shared", 1, now + 100)
+        reader = nodes[9]
+        reader.cache.clear()
+        reader.storage.clear()
+        counters = [count_finds(n) for n in nodes if n is not reader]
+        results = await asyncio.gather(*(reader.get("shared", latest=True) for _ in range(10)))
+        served = sum(c["keys"] for c in counters)
+        await stop(nodes)
+        return results, served
+
+    results, served = run_simulation(main, latency=0.02)
+    assert all(r.value == 1 for r in results)
+    assert served <= 12  # one lookup's worth of requests, not ten
+
+
+def test_lookups_for_many_keys_share_requests_to_the_same_node():
+    async def main(network):
+        nodes = await make_nodes(network, 6, random.Random(2))
+        now = nodes[0].time_fn()
+        keys = [f"k{i}" for i in range(20)]
+        await nodes[0].store_many(keys, list(range(20)), now + 100)
+        reader = nodes[5]
+        reader.cache.clear()
+        reader.storage.clear()
+        counters = [count_finds(n) for n in nodes if n is not reader]
+        found = await reader.get_many(keys, latest=True)
+        requests = sum(c["requests"] for c in counters)
+        asked = sum(c["keys"] for c in counters)
+        await stop(nodes)
+        return found, requests, asked
+
+    found, requests, asked = run_simulation(main, latency=0.02)
+    assert {k: v.value for k, v in found.items()} == {f"k{i}": i for i in range(20)}
+    assert requests < asked  # several keys travelled in one find request
+
+
+def test_a_newcomer_nearer_to_a_key_receives_it():
+    async def main(network):
+        rng = random.Random(3)
+        nodes = await make_nodes(network, 8, rng, num_replicas=2)
+        now = nodes[0].time_fn()
+        keys = [f"k{i}" for i in range(40)]
+        await nodes[0].store_many(keys, list(range(40)), now + 1000)
+        newcomer = await DHTNode.create(
+            await create_sim_peer(network, rng=rng),
+            [str(nodes[0].peer.get_visible_maddrs()[0])],
+            num_replicas=2,
+            time_fn=nodes[0].time_fn,
+        )
+        await asyncio.sleep(3)  # maintenance hands records over
+        received = len(newcomer.storage)
+        await stop([*nodes, newcomer])
+        return received
+
+    assert run_simulation(main, latency=0.02) > 0
+
+
+def test_failing_nodes_are_blacklisted_with_backoff():
+    async def main(network):
+        nodes = await make_nodes(network, 5, random.Random(4), wait_timeout=1.0)
+        victim = nodes[3]
+        network.crash(victim.peer._backend.host)
+        asker = nodes[1]
+        assert not await asker.ping(victim.peer_id)
+        assert victim.peer_id in asker.blacklist
+        assert victim.node_id not in asker.routing
+        first_ban = asker.blacklist._banned_until[victim.peer_id] - asker.time_fn()
+        asker.blacklist.register_failure(victim.peer_id)
+        second_ban = asker.blacklist._banned_until[victim.peer_id] - asker.time_fn()
+        await stop([n for n in nodes if n is not victim])
+        await victim.shutdown()
+        await victim.peer.shutdown()
+        return first_ban, second_ban
+
+    first, second = run_simulation(main, latency=0.02)
+    assert second > first * 1.5
+
+
+def test_client_mode_nodes_store_nothing_for_others_and_stay_out_of_routing():
+    async def main(network):
+        rng = random.Random(5)
+        nodes = await make_nodes(network, 6, rng)
+        client = await DHTNode.create(
+            await create_sim_peer(network, rng=rng, client_mode=True),
+            [str(nodes[0].peer.get_visible_maddrs()[0])],
+            client_mode=True,
+            time_fn=nodes[0].time_fn,
+        )
+        now = client.time_fn()
+        assert await client.store("from-client", 7, now + 100)
+        assert (await nodes[4].get("from-client")).value == 7
+        in_routing = any(client.node_id in n.routing for n in nodes)
+        stored_by_client = len(client.storage)
+        await stop([client, *nodes])
+        return in_routing, stored_by_client
+
+    in_routing, stored = run_simulation(main, latency=0.02)
+    assert not in_routing and stored == 0
+
+
+def test_wildly_different_clock_is_warned(caplog):
+    async def main(network):
+        rng = random.Random(6)
+        nodes = await make_nodes(network, 2, rng)
+        loop = asyncio.get_running_loop()
+        skewed = await DHTNode.create(
+            await create_sim_peer(network, rng=rng),
+            [],
+            time_fn=lambda: EPOCH + loop.time() + 3600,
+        )
+        nodes[0].peer.add_addresses(skewed.peer_id, skewed.peer.get_visible_maddrs())
+        with caplog.at_level(logging.WARNING, logger="swarmgrad.dht.node"):
+            assert await nodes[0].ping(skewed.peer_id)
+        await stop([*nodes, skewed])
+
+    run_simulation(main, latency=0.02)
+    assert "clock of" in caplog.text and "3600" in caplog.text
