@@ -188,3 +188,22 @@ def test_wildly_different_clock_is_warned(caplog):
 
     run_simulation(main, latency=0.02)
     assert "clock of" in caplog.text and "3600" in caplog.text
+
+
+def test_hot_cached_keys_are_refreshed_before_they_expire():
+    async def main(network):
+        nodes = await make_nodes(network, 8, random.Random(7), cache_refresh_before_expiry=5)
+        now = nodes[0].time_fn()
+        assert await nodes[1].store("hot", "v1", now + 20)
+        key_id = DHTID.generate(serialize("hot"))
+        reader = next(n for n in nodes[2:] if n.storage.get(key_id) is None)  # not a replica
+        reader.cache.clear()
+        assert (await reader.get("hot")).value == "v1"
+        assert await nodes[1].store("hot", "v2", now + 120)  # the owner renews it
+        await asyncio.sleep(17)  # within 5 s of the cached copy's expiry
+        cached = reader.cache.get(key_id)
+        await stop(nodes)
+        return cached, now
+
+    cached, now = run_simulation(main, latency=0.02)
+    assert cached is not None and cached.expiration_time == now + 120
