@@ -75,6 +75,11 @@ class Blacklist:
         self._banned_until: dict[PeerID, float] = {}
 
     def register_failure(self, peer_id: PeerID) -> None:
+        if len(self._failures) > 10_000:  # bounded memory whatever the churn
+            now = self.time_fn()
+            for stale in [p for p, until in self._banned_until.items() if until <= now]:
+                self._failures.pop(stale, None)
+                del self._banned_until[stale]
         failures = self._failures.get(peer_id, 0) + 1
         self._failures[peer_id] = failures
         ban = self.base_time * self.backoff_rate ** (failures - 1)
@@ -758,6 +763,11 @@ class DHTNode:
                 newcomers, self._handoff_queue = self._handoff_queue, set()
                 await self._hand_off(newcomers)
             await self._refresh_hot_cache()
+            if len(self._serialized_keys) > 2 * len(self.storage) + 1000:
+                stored = set(self.storage.keys())
+                self._serialized_keys = {
+                    k: v for k, v in self._serialized_keys.items() if k in stored
+                }
             if self.time_fn() - last_bucket_refresh >= self.refresh_period:
                 last_bucket_refresh = self.time_fn()
                 for bucket in self.routing.buckets_to_refresh(self.refresh_period):
