@@ -264,14 +264,21 @@ class DHTNode:
             return
         if client or peer_id == self.peer_id:
             return
+        self._learn_addresses(peer_id, maddrs)
+        self._add_node(peer_id)
+
+    def _learn_addresses(self, peer_id: PeerID, texts: Iterable[str]) -> bool:
+        """Add the well-formed addresses to the peer's address book; True if any was.
+        Each is pinned to peer_id, so a lying node can only send us to a failed dial."""
         addresses = []
-        for text in maddrs:
+        for text in texts:
             try:
                 addresses.append(Multiaddr.parse(text).with_peer_id(peer_id))
             except ValidationError:
                 continue
-        self.peer.add_addresses(peer_id, addresses)
-        self._add_node(peer_id)
+        if addresses:
+            self.peer.add_addresses(peer_id, addresses)
+        return bool(addresses)
 
     def _add_node(self, peer_id: PeerID) -> None:
         node_id = DHTID.for_peer(peer_id)
@@ -439,16 +446,9 @@ class DHTNode:
                         continue
                     seen.add(found_peer)
                     hop_of[found_peer] = hop + 1
-                    addresses = []
-                    for text in addrs:
-                        try:
-                            addresses.append(Multiaddr.parse(text).with_peer_id(found_peer))
-                        except ValidationError:
-                            continue
-                    if addresses:
-                        self.peer.add_addresses(found_peer, addresses)
+                    known = self._learn_addresses(found_peer, addrs)
                     if found_peer not in self.blacklist and (
-                        addresses or self.peer.is_connected(found_peer)
+                        known or self.peer.is_connected(found_peer)
                     ):
                         heapq.heappush(
                             candidates, (DHTID.for_peer(found_peer) ^ key_id, found_peer)
