@@ -323,7 +323,10 @@ class RoutingTable:
             return None
         previous_uid = self.peer_id_to_uid.get(peer_id)
         if previous_uid is not None and previous_uid != node_id:
-            self._remove_node(previous_uid)  # the peer now shows up under another id
+            # The peer now shows up under another id. Its old bucket must not promote a
+            # replacement that carries this same peer: the peer would then be in the
+            # table twice, under the promoted id and under ``node_id``.
+            self._remove_node(previous_uid, arriving=peer_id)
         index = self.get_bucket_index(node_id)
         bucket = self.buckets[index]
         while (
@@ -352,24 +355,25 @@ class RoutingTable:
         self._fill_from_replacements(left)
         self._fill_from_replacements(right)
 
-    def _fill_from_replacements(self, bucket: KBucket) -> None:
+    def _fill_from_replacements(self, bucket: KBucket, arriving: PeerID | None = None) -> None:
         """Promote replacements while the bucket has room, skipping (and forgetting) any
-        whose peer is meanwhile in the table under another id."""
+        whose peer is meanwhile in the table under another id, or is ``arriving``: the
+        peer being added under a new id."""
         while (promoted := bucket.promote_replacement()) is not None:
             node_id, peer_id = promoted
-            if peer_id in self.peer_id_to_uid:
+            if peer_id in self.peer_id_to_uid or peer_id == arriving:
                 bucket.remove(node_id)
                 continue
             self.uid_to_peer_id[node_id] = peer_id
             self.peer_id_to_uid[peer_id] = node_id
 
-    def _remove_node(self, node_id: DHTID) -> None:
+    def _remove_node(self, node_id: DHTID, arriving: PeerID | None = None) -> None:
         bucket = self.buckets[self.get_bucket_index(node_id)]
         if node_id in bucket.nodes_to_peer_id:
             bucket.remove(node_id)
             peer_id = self.uid_to_peer_id.pop(node_id)
             del self.peer_id_to_uid[peer_id]
-            self._fill_from_replacements(bucket)
+            self._fill_from_replacements(bucket, arriving)
         else:
             bucket.remove(node_id)  # a replacement, or KeyError
 

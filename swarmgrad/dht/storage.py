@@ -305,6 +305,8 @@ class DHTLocalStorage:
         self.max_key_bytes = max_key_bytes
         self.max_expiration_ahead = max_expiration_ahead
         self._time_fn = time_fn
+        self._frozen = 0  # nesting depth of freeze(); clear() inside a block keeps it
+        self._frozen_at = -_INF  # the time expiry stopped at, while frozen
         self.clear()
 
     def clear(self) -> None:
@@ -314,7 +316,6 @@ class DHTLocalStorage:
         self._num_records = 0  # plain records + subkey records, tombstones included
         self._num_visible = 0  # keys whose slot is visible
         self._records_by_source: dict[PeerID, int] = {}
-        self._frozen = 0
 
     # --- writing ---
 
@@ -444,7 +445,7 @@ class DHTLocalStorage:
             if not self._has_room_for(expiration_time):
                 return False
             slot = self._slots[key_id] = _Slot()
-            slot.subkeys = DictionaryDHTValue(self._time_fn)
+            slot.subkeys = DictionaryDHTValue(self._view_time)
             slot.subkeys._put(subkey, record, source)
             self._added(source)
             self._push(key_id, slot, expiration_time)
@@ -460,7 +461,7 @@ class DHTLocalStorage:
             self._check_source(source, int(slot.source == source), key_id)
             self._count(slot.source, -1)
             self._count(source, 1)
-            slot.subkeys = DictionaryDHTValue(self._time_fn)
+            slot.subkeys = DictionaryDHTValue(self._view_time)
             slot.subkeys._put(subkey, record, source)
             slot.floor = old.expiration_time
             slot.record = slot.source = None
@@ -578,7 +579,7 @@ class DHTLocalStorage:
         subkeys._earliest()
         subkey = subkeys._heap[0][2]
         record, source, _ = subkeys._data[subkey]
-        single = DictionaryDHTValue(self._time_fn)
+        single = DictionaryDHTValue(self._view_time)
         single._put(subkey, record, source)
         return key_id, ValueWithExpiration(single, record.expiration_time)
 
@@ -592,7 +593,16 @@ class DHTLocalStorage:
     def freeze(self) -> Iterator[DHTLocalStorage]:
         """Pause expiry inside the block: records that expire meanwhile stay readable
         until it ends (a consistent view while iterating). Eviction for ``maxsize`` and
-        the refusal of already-expired stores still apply."""
+        the refusal of already-expired stores still apply.
+
+        Records already expired when the block begins are dropped first, and
+        dictionaries read inside the block (their clock is :meth:`_view_time`) keep the
+        subkeys the storage keeps: expiry stands still at the moment the block began.
+        """
+        if not self._frozen:
+            now = self._time_fn()
+            self._remove_outdated(now)
+            self._frozen_at = now
         self._frozen += 1
         try:
             yield self
@@ -602,6 +612,10 @@ class DHTLocalStorage:
     def _purge(self) -> None:
         if not self._frozen:
             self._remove_outdated(self._time_fn())
+
+    def _view_time(self) -> float:
+        """The clock of the dictionaries this storage hands out: stopped while frozen."""
+        return self._frozen_at if self._frozen else self._time_fn()
 
     def _remove_outdated(self, now: float) -> None:
         heap, slots = self._heap, self._slots
