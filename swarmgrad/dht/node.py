@@ -640,7 +640,10 @@ class DHTNode:
             self._pending_gets.pop(pending_key, None)
 
     async def _search(self, key_bytes: bytes, key_id: DHTID, latest: bool):
-        lookup = await self._lookup(key_id, find_value=True, latest=latest)
+        # Records live on the num_replicas nearest nodes; a latest-get reads twice as many
+        # (margin for churn and for writers that saw a slightly different neighbourhood).
+        width = min(self.bucket_size, 2 * self.num_replicas) if latest else None
+        lookup = await self._lookup(key_id, find_value=True, latest=latest, k=width)
         records = [record for _, record in lookup.records]
         local = self._local_record(key_id)
         if local is not None:

@@ -18,6 +18,7 @@ as one does for a listen address.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from typing import Any
 
@@ -217,6 +218,15 @@ class Multiaddr:
     # formatting, comparison
 
     def __str__(self) -> str:
+        text = _TEXT_CACHE.get(self._key())
+        if text is None:
+            text = self._format()
+            if len(_TEXT_CACHE) > 65536:
+                _TEXT_CACHE.clear()
+            _TEXT_CACHE[self._key()] = text
+        return text
+
+    def _format(self) -> str:
         if self.relay is not None:
             text = f"{self.relay}/p2p-circuit"
         else:
@@ -253,6 +263,10 @@ def _restore(text: str) -> Multiaddr:
     return Multiaddr(text, allow_port_zero=True)
 
 
+_TEXT_CACHE: dict[tuple, str] = {}  # addresses are formatted into every DHT answer
+
+
+@functools.lru_cache(maxsize=8192)  # immutable results: peers re-announce the same strings
 def _parse(text: str, allow_port_zero: bool) -> Multiaddr:
     def fail(reason: str) -> ValidationError:
         shown = text if len(text) <= 200 else text[:197] + "..."

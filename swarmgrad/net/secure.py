@@ -35,7 +35,10 @@ from swarmgrad.utils.errors import HandshakeError, SwarmgradError
 
 logger = logging.getLogger(__name__)
 
-_TLS_RX_BUFFER = 1024 * 1024
+# Receive buffers start small (a DHT peer keeps many mostly idle connections) and grow
+# while a connection is busy, up to what the largest record needs.
+_INITIAL_RX_BUFFER = 64 * 1024
+_MAX_TLS_RX_BUFFER = 1024 * 1024
 _HIGH_WATER = 4 * 1024 * 1024  # outgoing ciphertext buffered in the lower transport
 _LOW_WATER = 1024 * 1024
 # Writes smaller than this are corked: gathered and sealed as one record at the end of the
@@ -70,7 +73,7 @@ class TLSLayer(asyncio.BufferedProtocol):
         self._ssl = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side)
         self._mode = _Mode.HANDSHAKE
         self._lower: Any = None
-        self._rx = bytearray(_TLS_RX_BUFFER)
+        self._rx = bytearray(_INITIAL_RX_BUFFER)
         self._rx_view = memoryview(self._rx)
         self._rx_start = 0  # FAST mode: unparsed ciphertext is rx[start:filled]
         self._rx_filled = 0
@@ -110,6 +113,9 @@ class TLSLayer(asyncio.BufferedProtocol):
             self._open_records()
             return
         self._incoming.write(self._rx_view[:nbytes])
+        if nbytes == len(self._rx) and len(self._rx) < _MAX_TLS_RX_BUFFER:  # busy: grow
+            self._rx = bytearray(2 * len(self._rx))
+            self._rx_view = memoryview(self._rx)
         if self._mode is _Mode.HANDSHAKE:
             self._step_handshake()
         if self._mode is _Mode.KEYS:
@@ -303,7 +309,7 @@ class TLSLayer(asyncio.BufferedProtocol):
             send_key, receive_key = to_listener, to_dialer
         self._sealer, self._opener = records.Sealer(send_key), records.Opener(receive_key)
         leftover = self._incoming.read()
-        self._rx = bytearray(records.MAX_RECORD + records.LENGTH.size)
+        self._rx = bytearray(max(_INITIAL_RX_BUFFER, len(leftover)))
         self._rx_view = memoryview(self._rx)
         self._rx_view[: len(leftover)] = leftover
         self._rx_start, self._rx_filled = 0, len(leftover)
@@ -323,12 +329,15 @@ class TLSLayer(asyncio.BufferedProtocol):
         """Open every complete record into the upper protocol's buffers."""
         view, opener, upper = self._rx_view, self._opener, self._upper
         pos, end = self._rx_start, self._rx_filled
+        busy = end == len(view)
+        needed = records.LENGTH.size  # room the next, incomplete record needs
         try:
             while not self._upper_lost and end - pos >= records.LENGTH.size:
                 prefix = view[pos : pos + records.LENGTH.size]
                 length = opener.record_length(prefix)
                 body = pos + records.LENGTH.size
                 if end - body < length:
+                    needed = records.LENGTH.size + length
                     break
                 size = length - records.TAG_SIZE
                 target = memoryview(upper.get_buffer(size))
@@ -343,8 +352,14 @@ class TLSLayer(asyncio.BufferedProtocol):
             return
         if pos == end:
             pos = end = 0
-        elif len(view) - pos < records.MAX_RECORD + records.LENGTH.size:
-            # too little room left for the largest record: move the partial one to the front
+        wanted = max(needed, 2 * len(view) if busy else 0)
+        if wanted > len(view):  # a bigger record is coming, or the connection is busy
+            wanted = min(max(wanted, needed), records.MAX_RECORD + records.LENGTH.size)
+            grown = bytearray(max(wanted, needed))
+            grown[: end - pos] = view[pos:end]
+            self._rx, self._rx_view = grown, memoryview(grown)
+            pos, end = 0, end - pos
+        elif pos + needed > len(view):  # the partial record does not fit where it is
             view[: end - pos] = view[pos:end]
             pos, end = 0, end - pos
         self._rx_start, self._rx_filled = pos, end
