@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import pydantic
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import Field, StrictInt, conint
 
@@ -646,7 +646,10 @@ def test_validate_never_raises_on_arbitrary_records(key, subkey, value, expirati
 @given(st.binary(max_size=200), st.binary(max_size=60))
 def test_signed_protected_records_verify_for_any_key_and_value(value, key_tail):
     alice = Ed25519SignatureValidator(ALICE)
-    record = DHTRecord(key_tail + alice.local_public_key, NO_SUBKEY, value, EXPIRATION)
+    key = key_tail + alice.local_public_key
+    # a key holding another, malformed "[owner:" is refused by design (tested elsewhere)
+    assume(key.count(b"[owner:") == 1)
+    record = DHTRecord(key, NO_SUBKEY, value, EXPIRATION)
     signed = _signed(alice, record)
     assert alice.validate(signed)
     assert alice.strip_value(signed) == value
