@@ -163,7 +163,7 @@ class DHTNode:
         self.max_expiration_ahead = max_expiration_ahead
         self.blacklist = Blacklist(blacklist_time, backoff_rate, time_fn)
         self._loop = asyncio.get_running_loop()
-        self._pending_finds: dict[PeerID, list[tuple[DHTID, asyncio.Future]]] = {}
+        self._pending_finds: dict[PeerID, list[tuple[DHTID, asyncio.Future, int]]] = {}
         self._pending_gets: dict[tuple[DHTID, bool], asyncio.Future] = {}
         self._hot_cache_keys: dict[DHTID, bytes] = {}  # key id -> serialized key
         self._serialized_keys: dict[DHTID, bytes] = {}  # stored key ids -> serialized keys
@@ -235,7 +235,7 @@ class DHTNode:
             task.cancel()
         await asyncio.gather(*self._background, *self._tasks, return_exceptions=True)
         for waiters in self._pending_finds.values():
-            for _, future in waiters:
+            for _, future, _ in waiters:
                 future.cancel()
         self._pending_finds.clear()
 
@@ -347,14 +347,15 @@ class DHTNode:
             )
         return True
 
-    def _find(self, peer_id: PeerID, key_id: DHTID) -> asyncio.Future:
-        """Ask a node about a key; requests to one node in one loop tick share an RPC."""
+    def _find(self, peer_id: PeerID, key_id: DHTID, k: int) -> asyncio.Future:
+        """Ask a node about a key (and its k nearest nodes); requests to one node in one
+        loop tick share an RPC."""
         future = self._loop.create_future()
         pending = self._pending_finds.get(peer_id)
         if pending is None:
             pending = self._pending_finds[peer_id] = []
             self._loop.call_soon(self._flush_finds, peer_id)
-        pending.append((key_id, future))
+        pending.append((key_id, future, k))
         return future
 
     def _flush_finds(self, peer_id: PeerID) -> None:
@@ -362,11 +363,15 @@ class DHTNode:
         if batch:
             self._spawn(self._send_finds(peer_id, batch))
 
-    async def _send_finds(self, peer_id: PeerID, batch: list[tuple[DHTID, asyncio.Future]]):
-        key_ids = list(dict.fromkeys(key_id for key_id, _ in batch))[: protocol.MAX_BATCH]
+    async def _send_finds(
+        self, peer_id: PeerID, batch: list[tuple[DHTID, asyncio.Future, int]]
+    ) -> None:
+        key_ids = list(dict.fromkeys(key_id for key_id, _, _ in batch))[: protocol.MAX_BATCH]
+        k = max(k for _, _, k in batch)
         answers_by_key: dict[DHTID, FindAnswer] = {}
         try:
-            response = await self._call(peer_id, protocol.FIND, protocol.encode_find(key_ids))
+            request = protocol.encode_find(key_ids, k)
+            response = await self._call(peer_id, protocol.FIND, request)
             if response is not None:
                 answers = protocol.decode_find_result(response, len(key_ids))
                 answers_by_key = dict(zip(key_ids, answers, strict=True))
@@ -374,7 +379,7 @@ class DHTNode:
             logger.debug("bad find answer from %s: %s", peer_id, e)
             self.blacklist.register_failure(peer_id)
         finally:
-            for key_id, future in batch:
+            for key_id, future, _ in batch:
                 if not future.done():
                     future.set_result(answers_by_key.get(key_id))
 
@@ -422,7 +427,7 @@ class DHTNode:
                 if len(in_flight) >= alpha:
                     break
                 queried.add(peer_id)
-                in_flight[self._find(peer_id, key_id)] = peer_id
+                in_flight[self._find(peer_id, key_id, k)] = peer_id
             if not in_flight:
                 break
             finished, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
@@ -739,13 +744,12 @@ class DHTNode:
 
     async def _rpc_find(self, request: Any, context: RPCContext) -> dict:
         key_ids = protocol.decode_find(request)
+        k = protocol.requested_neighbors(request, self.bucket_size)
         self._heard_from(context.remote_id, request.get("sender"))
         requester = DHTID.for_peer(context.remote_id)
         answers = []
         for key_id in key_ids:
-            nearest = self.routing.get_nearest_neighbors(
-                key_id, self.bucket_size, exclude=requester
-            )
+            nearest = self.routing.get_nearest_neighbors(key_id, k, exclude=requester)
             answers.append(
                 FindAnswer(
                     self._local_record(key_id),

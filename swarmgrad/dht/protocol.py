@@ -157,8 +157,21 @@ def decode_store_result(message: Any, expected: int) -> list[str | None]:
 # ---------------------------------------------------------------------------- find
 
 
-def encode_find(key_ids: list[DHTID]) -> dict:
-    return {"keys": [k.to_bytes() for k in key_ids]}
+def encode_find(key_ids: list[DHTID], k: int | None = None) -> dict:
+    """``k``: how many nearest nodes the asker wants per key (the callee's bucket size if
+    omitted); a narrow lookup asks for fewer and gets smaller answers."""
+    message: dict = {"keys": [key.to_bytes() for key in key_ids]}
+    if k is not None:
+        message["k"] = k
+    return message
+
+
+def requested_neighbors(message: Any, default: int) -> int:
+    """The ``k`` of a find request, clamped to [1, default]."""
+    k = message.get("k") if isinstance(message, dict) else None
+    if isinstance(k, bool) or not isinstance(k, int):
+        return default
+    return max(1, min(k, default))
 
 
 def decode_find(message: Any) -> list[DHTID]:
