@@ -392,10 +392,12 @@ class DHTNode:
         find_value: bool,
         latest: bool = False,
         k: int | None = None,
+        alpha: int | None = None,
     ) -> LookupResult:
-        """Iterative parallel lookup of the ``k`` nearest nodes to key_id (and its record)."""
+        """Iterative parallel lookup of the ``k`` nearest nodes to key_id (and its record),
+        with ``alpha`` (default parallel_rpc) requests in flight."""
         k = k or self.bucket_size
-        alpha = self.parallel_rpc
+        alpha = alpha or self.parallel_rpc
         hop_of: dict[PeerID, int] = {}
         candidates: list[tuple[int, PeerID]] = []  # heap by distance
         for node_id, peer_id in self.routing.get_nearest_neighbors(key_id, k):
@@ -647,8 +649,9 @@ class DHTNode:
     async def _search(self, key_bytes: bytes, key_id: DHTID, latest: bool):
         # Records live on the num_replicas nearest nodes; a latest-get reads twice as many
         # (margin for churn and for writers that saw a slightly different neighbourhood).
+        # It will ask every one of them anyway, so it asks them all at once.
         width = min(self.bucket_size, 2 * self.num_replicas) if latest else None
-        lookup = await self._lookup(key_id, find_value=True, latest=latest, k=width)
+        lookup = await self._lookup(key_id, find_value=True, latest=latest, k=width, alpha=width)
         records = [record for _, record in lookup.records]
         local = self._local_record(key_id)
         if local is not None:
