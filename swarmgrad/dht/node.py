@@ -167,6 +167,7 @@ class DHTNode:
         self._pending_gets: dict[tuple[DHTID, bool], asyncio.Future] = {}
         self._hot_cache_keys: dict[DHTID, bytes] = {}  # key id -> serialized key
         self._serialized_keys: dict[DHTID, bytes] = {}  # stored key ids -> serialized keys
+        self._address_text: dict[PeerID, tuple[int, tuple[str, ...]]] = {}
         self._warned_skew: set[PeerID] = set()
         self._tasks: set[asyncio.Task] = set()
         self._background: list[asyncio.Task] = []
@@ -297,7 +298,13 @@ class DHTNode:
             self.routing.add_or_update_node(DHTID.for_peer(replacement), replacement)
 
     def _addresses_of(self, peer_id: PeerID) -> tuple[str, ...]:
-        return tuple(str(m) for m in self.peer._addresses.get(peer_id, ())[: protocol.MAX_ADDRS])
+        """A peer's addresses as sent in find answers (formatted once per change)."""
+        known = self.peer._addresses.get(peer_id, ())
+        cached = self._address_text.get(peer_id)
+        if cached is None or cached[0] != len(known):
+            cached = (len(known), tuple(str(m) for m in known[: protocol.MAX_ADDRS]))
+            self._address_text[peer_id] = cached
+        return cached[1]
 
     def _forget(self, peer_id: PeerID) -> None:
         node_id = DHTID.for_peer(peer_id)

@@ -15,6 +15,7 @@ messages and leaves the meaning to :mod:`swarmgrad.dht.node`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ class StoreItem:
     expiration_time: float
     in_cache: bool = False
 
-    @property
+    @functools.cached_property
     def key_id(self) -> DHTID:
         return DHTID.generate(self.key)
 

@@ -23,6 +23,7 @@ that check to the protocol.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import random
@@ -82,7 +83,7 @@ class DHTID(int):
     @classmethod
     def for_peer(cls, peer_id: PeerID) -> DHTID:
         """The node id of a peer: the hash of its PeerID, so nobody picks their place."""
-        return cls.generate(peer_id.to_bytes())
+        return _node_id_of(cls, peer_id)
 
     def to_bytes(self) -> bytes:  # type: ignore[override]
         """20 bytes, big-endian."""
@@ -110,6 +111,11 @@ class DHTID(int):
 
     def __repr__(self) -> str:
         return f"DHTID(0x{int(self):040x}"[:18] + "...)"
+
+
+@functools.lru_cache(maxsize=65536)  # lookups hash the same few hundred peers over and over
+def _node_id_of(cls: type[DHTID], peer_id: PeerID) -> DHTID:
+    return cls.generate(peer_id.to_bytes())
 
 
 class KBucket:
