@@ -78,6 +78,19 @@ class ValueWithExpiration(NamedTuple, Generic[ValueType]):
     expiration_time: DHTExpiration
 
 
+def _against_existing(
+    previous: ValueWithExpiration, value: Any, expiration_time: float
+) -> bool | None:
+    """The one rule for a record arriving where another is stored: None if it replaces the
+    stored one (it expires later); otherwise the answer to give (an older record: False;
+    the same expiration: True only if it is the very same record, kept as it is)."""
+    if expiration_time > previous.expiration_time:
+        return None
+    if expiration_time < previous.expiration_time:
+        return False
+    return value == previous.value
+
+
 # A subkey's record inside a dictionary: (value and expiration, source peer, heap sequence)
 _SubRecord = tuple[ValueWithExpiration, PeerID | None, int]
 
@@ -114,10 +127,9 @@ class DictionaryDHTValue:
         old = self._data.get(subkey)
         if old is not None:
             previous = old[0]
-            if expiration_time < previous.expiration_time:
-                return False
-            if expiration_time == previous.expiration_time:
-                return value == previous.value
+            verdict = _against_existing(previous, value, expiration_time)
+            if verdict is not None:
+                return verdict
         self._put(subkey, ValueWithExpiration(value, expiration_time), None)
         return True
 
@@ -402,10 +414,9 @@ class DHTLocalStorage:
         if subkeys is None:
             old = slot.record
             assert old is not None
-            if expiration_time < old.expiration_time:
-                return False
-            if expiration_time == old.expiration_time:
-                return record.value == old.value
+            verdict = _against_existing(old, record.value, expiration_time)
+            if verdict is not None:
+                return verdict
             self._check_source(source, int(slot.source == source), key_id)
             self._count(slot.source, -1)
             self._count(source, 1)
@@ -473,10 +484,9 @@ class DHTLocalStorage:
         old_subrecord = subkeys._data.get(subkey)
         if old_subrecord is not None:
             previous = old_subrecord[0]
-            if expiration_time < previous.expiration_time:
-                return False
-            if expiration_time == previous.expiration_time:
-                return record.value == previous.value
+            verdict = _against_existing(previous, record.value, expiration_time)
+            if verdict is not None:
+                return verdict
             self._check_source(source, int(old_subrecord[1] == source), key_id)
             subkeys._put(subkey, record, source)
             self._count(old_subrecord[1], -1)
