@@ -46,8 +46,18 @@ from swarmgrad.compression.streaming import (
     split_for_streaming,
     split_into_parts,
 )
+from swarmgrad.compression.wire import (
+    serialized_from_message,
+    serialized_to_message,
+    tensors_from_message,
+    tensors_to_message,
+)
 
 __all__ = [
+    "serialized_from_message",
+    "serialized_to_message",
+    "tensors_from_message",
+    "tensors_to_message",
     "BASE_COMPRESSION_TYPES",
     "AdaptiveCompressionBase",
     "BFloat16Compression",
