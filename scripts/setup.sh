@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])) >= (2, 1) else 1)" 2>/dev/null; then
     "$PYTHON" -m pip install --quiet "torch==2.13.0" || "$PYTHON" -m pip install --quiet "torch>=2.1"
 fi
-"$PYTHON" -m pip install --quiet -e ".[test]"
+"$PYTHON" -m pip install --quiet -e ".[test,demo]"
 
 # The network-lab tests (NAT, relays across namespaces) need nft; they skip without it.
 if [ "$(id -u)" = 0 ] && ! command -v nft >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
