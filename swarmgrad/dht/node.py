@@ -513,9 +513,11 @@ class DHTNode:
         stored = [False] * len(items)
 
         async def replicate(key_id: DHTID, indices: list[int]) -> None:
-            # search as wide as a bucket, then store on the nearest few: a search for only
-            # num_replicas nodes stops early at a local minimum of a sparse routing table
-            lookup = await self._lookup(key_id, find_value=False)
+            # search twice as wide as the replicas, then store on the nearest few: a search
+            # for only num_replicas nodes stops early at a local minimum of a sparse routing
+            # table, one as wide as a bucket costs twice the RPCs for the same nodes
+            width = min(self.bucket_size, 2 * self.num_replicas)
+            lookup = await self._lookup(key_id, find_value=False, k=width)
             nearest = lookup.nearest[: self.num_replicas]
             targets = [peer_id for _, peer_id in nearest]
             we_are_near = (
@@ -654,10 +656,11 @@ class DHTNode:
             self._pending_gets.pop(pending_key, None)
 
     async def _search(self, key_bytes: bytes, key_id: DHTID, latest: bool):
-        # Records live on the num_replicas nearest nodes; a latest-get reads twice as many
-        # (margin for churn and for writers that saw a slightly different neighbourhood).
-        # It will ask every one of them anyway, so it asks them all at once.
-        width = min(self.bucket_size, 2 * self.num_replicas) if latest else None
+        # Records live on the num_replicas nearest nodes; a latest-get reads two more
+        # (margin for writers that saw a slightly different neighbourhood; a node that
+        # fails to answer is replaced by the next one anyway). It will ask every one of
+        # them, so it asks them all at once.
+        width = min(self.bucket_size, self.num_replicas + 2) if latest else None
         lookup = await self._lookup(key_id, find_value=True, latest=latest, k=width, alpha=width)
         records = [record for _, record in lookup.records]
         local = self._local_record(key_id)

@@ -226,7 +226,7 @@ def decode_find_result(message: Any, expected: int) -> list[FindAnswer]:
             for raw_pid, addrs in raw_nearest:
                 if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
                     raise ValueError("addresses must be strings")
-                nearest.append((PeerID(bytes(raw_pid)), tuple(addrs[:MAX_ADDRS])))
+                nearest.append((PeerID.intern(raw_pid), tuple(addrs[:MAX_ADDRS])))
             answers.append(FindAnswer(record, tuple(nearest)))
         return answers
     except (KeyError, TypeError, ValueError) as e:

@@ -145,6 +145,7 @@ def _short(value: object, limit: int = 80) -> str:
 _BASE58_CACHE: dict[bytes, str] = {}  # validated id bytes -> base58 text
 _PARSED_CACHE: dict[str, PeerID] = {}  # base58 text -> parsed id
 _VALIDATED: set[bytes] = set()  # id bytes that passed __post_init__
+_INTERNED: dict[bytes, PeerID] = {}  # id bytes -> the PeerID object made for them
 
 
 @dataclass(frozen=True, order=True)
@@ -195,6 +196,29 @@ class PeerID:
         if len(_VALIDATED) > 65536:
             _VALIDATED.clear()
         _VALIDATED.add(raw)
+
+    # Hand-written rather than generated: a generated __hash__ builds a tuple on every call,
+    # and peer ids are dictionary keys on every hot path (routing, connections, the DHT);
+    # bytes cache their own hash.
+    def __hash__(self) -> int:
+        return hash(self._bytes)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is PeerID:
+            return self._bytes == other._bytes  # type: ignore[attr-defined]
+        return NotImplemented
+
+    @classmethod
+    def intern(cls, raw: bytes) -> PeerID:
+        """``PeerID(raw)``, reusing the object made for the same bytes before: decoding a
+        DHT answer meets the same few dozen ids again and again."""
+        known = _INTERNED.get(raw)
+        if known is None:
+            known = cls(bytes(raw))
+            if len(_INTERNED) > 65536:
+                _INTERNED.clear()
+            _INTERNED[bytes(raw)] = known
+        return known
 
     # construction
 
