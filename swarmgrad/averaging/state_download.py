@@ -1,0 +1,483 @@
+"""The joining side of state transfer: download a state in chunks from several donors.
+
+:func:`load_state_from_peers` reads the donors' declarations from the DHT, orders them
+(highest priority first; among equals, those sharing the most common state, then at
+random) and opens download sessions with the best ``max_donors`` of them (a donor that
+is busy or does not answer is replaced by the next one). The best session's manifest is
+the *target*: its chunks are fetched from every donor whose manifest lists the same
+digest for them, ``chunks_in_flight_per_donor`` at a time from each, and every chunk is
+checked against its digest before it is written.
+
+When a donor fails (connection lost, remote error, expired session) its chunks go to the
+others; a donor that times out twice is dropped; a donor that sends a chunk that does not
+match its digest is dropped at once and logged with its PeerID. A slow donor naturally
+gets fewer chunks (each donor pulls work when it has a free slot), and at the end an idle
+donor re-fetches a chunk that a slow one has held for too long. If the target's donors
+all fail, another session's state becomes the target, keeping every chunk already
+verified that it shares. The download gives up (returns None, with a log line saying
+why) when no donor is left or ``timeout`` expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarmgrad.averaging.state_chunks import (
+    DEFAULT_MAX_STATE_BYTES,
+    CorruptChunk,
+    StateAssembler,
+    StateManifest,
+    check_metadata,
+)
+from swarmgrad.averaging.state_protocol import (
+    BUSY,
+    OK,
+    DonorRecord,
+    StateRPC,
+    declaration_key,
+    order_donors,
+    parse_declarations,
+)
+from swarmgrad.averaging.state_scheduler import ChunkScheduler
+from swarmgrad.dht.node import DHTNode
+from swarmgrad.net.identity import PeerID
+from swarmgrad.net.peer import Peer
+from swarmgrad.utils.errors import (
+    DeadlineExceeded,
+    ProtocolViolation,
+    SwarmgradError,
+    ValidationError,
+)
+
+__all__ = ["StateDownloader", "load_state_from_peers"]
+
+logger = logging.getLogger(__name__)
+
+State = tuple[Any, list[torch.Tensor]]
+
+
+class _DonorFailed(Exception):
+    """A donor's answer ends its part in the download (not retried)."""
+
+
+@dataclass(eq=False)
+class _Session:
+    record: DonorRecord
+    session_id: bytes
+    priority: float
+    manifest: StateManifest
+    metadata: bytes
+    rank: int  # position in the donor order (lower is better)
+    alive: bool = True
+    timeouts: int = 0
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.record.peer_id
+
+
+@dataclass(eq=False)
+class _Round:
+    """One attempt to complete one target manifest."""
+
+    target: _Session
+    assembler: StateAssembler
+    scheduler: ChunkScheduler
+    donors: dict[PeerID, _Session] = field(default_factory=dict)
+    workers: set[asyncio.Task] = field(default_factory=set)
+    fetches: dict[tuple[PeerID, int], asyncio.Task] = field(default_factory=dict)
+    durations: deque = field(default_factory=lambda: deque(maxlen=32))
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    recruiting: int = 0
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class StateDownloader:
+    """One download (see the module docstring); :meth:`run` returns the state or None.
+
+    After a run, ``chunks_from`` counts the chunks each donor delivered and ``dropped``
+    says why each dropped donor was dropped.
+    """
+
+    def __init__(
+        self,
+        peer: Peer,
+        dht_node: DHTNode,
+        *,
+        prefix: str,
+        request_timeout: float = 10.0,
+        chunk_timeout: float = 30.0,
+        max_donors: int = 4,
+        chunks_in_flight_per_donor: int = 2,
+        max_timeouts_per_donor: int = 2,
+        min_steal_after: float = 0.5,
+        max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
+        rng: random.Random | None = None,
+    ):
+        if max_donors < 1 or chunks_in_flight_per_donor < 1:
+            raise ValidationError("max_donors and chunks_in_flight_per_donor must be >= 1")
+        self.peer, self.dht_node, self.prefix = peer, dht_node, prefix
+        self.request_timeout, self.chunk_timeout = request_timeout, chunk_timeout
+        self.max_donors = max_donors
+        self.chunks_in_flight_per_donor = chunks_in_flight_per_donor
+        self.max_timeouts_per_donor = max_timeouts_per_donor
+        self.min_steal_after = min_steal_after
+        self.max_state_bytes = max_state_bytes
+        self.rng = rng or random.Random()
+        self.rpc = StateRPC.for_prefix(prefix)
+        self.chunks_from: Counter[PeerID] = Counter()
+        self.dropped: dict[PeerID, str] = {}
+        self.refused: dict[PeerID, str] = {}
+        self._candidates: deque[tuple[int, DonorRecord]] = deque()
+        self._sessions: list[_Session] = []
+
+    # ------------------------------------------------------------------ entry point
+
+    async def run(self, timeout: float | None = None) -> State | None:
+        """Download the best state on offer; None if no donor could provide one in time."""
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                return await self._download()
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            logger.warning(
+                "could not download the state under %r within %s s%s",
+                self.prefix,
+                timeout,
+                self._why(),
+            )
+            return None
+        finally:
+            await self._release_sessions()
+
+    def _why(self) -> str:
+        reasons = {**self.refused, **self.dropped}
+        if not reasons:
+            return ""
+        return " (" + "; ".join(f"{peer}: {why}" for peer, why in reasons.items()) + ")"
+
+    async def _download(self) -> State | None:
+        found = await self.dht_node.get(declaration_key(self.prefix), latest=True)
+        records = parse_declarations(found, exclude=self.peer.peer_id)
+        if not records:
+            logger.info("no peer shares its state under %r", self.prefix)
+            return None
+        self._candidates = deque(enumerate(order_donors(records, self.rng)))
+        assembler: StateAssembler | None = None
+        while True:
+            live = [s for s in self._sessions if s.alive]
+            if len(live) < self.max_donors and self._candidates:
+                await self._open_sessions(self.max_donors - len(live))
+                live = [s for s in self._sessions if s.alive]
+            if not live:
+                if self._candidates:
+                    continue
+                logger.warning(
+                    "no donor could provide the state under %r%s", self.prefix, self._why()
+                )
+                return None
+            target = self._choose_target(live)
+            try:
+                new = StateAssembler(target.manifest)
+            except ValidationError as e:
+                target.alive = False
+                self.dropped[target.peer_id] = str(e)
+                logger.warning("cannot take the state of %s: %s", target.peer_id, e)
+                continue
+            if assembler is not None:
+                kept = new.adopt(assembler)
+                logger.info(
+                    "switching to the state of %s, keeping %d verified chunks", target.peer_id, kept
+                )
+            assembler = new
+            if not await self._fetch_all(target, assembler):
+                continue
+            try:
+                metadata, tensors = assembler.result(target.metadata)
+            except ProtocolViolation as e:
+                target.alive = False
+                self.dropped[target.peer_id] = str(e)
+                logger.warning("dropping donor %s: %s", target.peer_id, e)
+                continue
+            logger.info(
+                "downloaded a state of %d bytes in %d chunks from %s",
+                target.manifest.total_bytes,
+                target.manifest.num_chunks,
+                ", ".join(f"{p} ({n})" for p, n in self.chunks_from.most_common()) or "-",
+            )
+            return metadata, tensors
+
+    def _choose_target(self, live: list[_Session]) -> _Session:
+        """Highest priority first; among equals, the state most donors can serve."""
+        shared = Counter(s.manifest.root_digest for s in live)
+        return min(live, key=lambda s: (-s.priority, -shared[s.manifest.root_digest], s.rank))
+
+    # ------------------------------------------------------------------ sessions
+
+    async def _open_sessions(self, wanted: int) -> list[_Session]:
+        opened: list[_Session] = []
+        while len(opened) < wanted and self._candidates:
+            batch = [
+                self._candidates.popleft()
+                for _ in range(min(wanted - len(opened), len(self._candidates)))
+            ]
+            results = await asyncio.gather(*(self._open_session(r, rec) for r, rec in batch))
+            opened.extend(s for s in results if s is not None)
+        return opened
+
+    async def _open_session(self, rank: int, record: DonorRecord) -> _Session | None:
+        donor = record.peer_id
+        try:
+            self.peer.add_addresses(donor, record.maddrs)
+        except (ValueError, SwarmgradError) as e:
+            self.refused[donor] = f"unusable addresses: {e}"
+            return None
+        try:
+            answer = await self.peer.call(
+                donor, self.rpc.manifest, {"v": 1}, timeout=self.request_timeout
+            )
+            if not isinstance(answer, dict):
+                raise ProtocolViolation(f"a manifest answer must be a dict, got {answer!r:.60}")
+            status = answer.get("status")
+            if status != OK:
+                reason = f"{status}: {answer.get('reason', '')}"
+                self.refused[donor] = reason
+                log = logger.info if status == BUSY else logger.debug
+                log("donor %s refused to share its state (%s)", donor, reason)
+                return None
+            manifest = StateManifest.from_wire(
+                answer.get("manifest"), source=str(donor), max_state_bytes=self.max_state_bytes
+            )
+            check_metadata(manifest, answer.get("metadata"), str(donor))
+            session_id, priority = answer.get("session"), answer.get("priority")
+            if not isinstance(session_id, bytes) or not 0 < len(session_id) <= 64:
+                raise ProtocolViolation("the session id must be 1 to 64 bytes")
+            if type(priority) not in (int, float) or not math.isfinite(priority):
+                raise ProtocolViolation(f"priority {priority!r} is not a finite number")
+        except CorruptChunk as e:
+            logger.warning("dropping donor %s: %s", donor, e)
+            self.dropped[donor] = str(e)
+            return None
+        except (SwarmgradError, OSError) as e:
+            self.refused[donor] = f"{type(e).__name__}: {e}"
+            logger.debug("donor %s did not open a download session: %s", donor, e)
+            return None
+        session = _Session(record, session_id, float(priority), manifest, answer["metadata"], rank)
+        self._sessions.append(session)
+        return session
+
+    async def _release_sessions(self) -> None:
+        """Tell the donors we are done (best effort, briefly), so their slots free up."""
+        alive = [s for s in self._sessions if s.alive]
+        self._sessions = []
+        if not alive:
+            return
+
+        async def release(session: _Session) -> None:
+            with contextlib.suppress(SwarmgradError, OSError):
+                await self.peer.call(
+                    session.peer_id,
+                    self.rpc.release,
+                    {"session": session.session_id},
+                    timeout=min(self.request_timeout, 2.0),
+                )
+
+        await asyncio.gather(*(release(s) for s in alive))
+
+    # ------------------------------------------------------------------ one target
+
+    async def _fetch_all(self, target: _Session, assembler: StateAssembler) -> bool:
+        """Fetch the target's missing chunks from every donor that holds them. True when
+        complete; False when the chunks left are held by no remaining donor."""
+        round_ = _Round(target, assembler, ChunkScheduler(assembler.missing))
+        for session in [s for s in self._sessions if s.alive]:
+            self._add_donor(round_, session)
+        self._check_finished(round_)
+        try:
+            await round_.finished.wait()
+        finally:
+            tasks = list(round_.workers)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return assembler.complete
+
+    def _add_donor(self, round_: _Round, session: _Session) -> None:
+        target = round_.target.manifest
+        manifest = session.manifest
+        if manifest.layout != target.layout:
+            return
+        if manifest.root_digest == target.root_digest:
+            eligible = None
+        else:
+            eligible = [
+                i
+                for i in round_.assembler.missing
+                if manifest.chunk_digests[i] == target.chunk_digests[i]
+            ]
+            if not eligible:
+                return
+        round_.scheduler.add_donor(session.peer_id, eligible)
+        round_.donors[session.peer_id] = session
+        for _ in range(self.chunks_in_flight_per_donor):
+            self._spawn(round_, self._worker(round_, session))
+
+    def _spawn(self, round_: _Round, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        round_.workers.add(task)
+        task.add_done_callback(round_.workers.discard)
+
+    def _check_finished(self, round_: _Round) -> None:
+        scheduler = round_.scheduler
+        if scheduler.complete or (not round_.recruiting and scheduler.unobtainable()):
+            round_.finished.set()
+
+    def _steal_after(self, round_: _Round) -> float:
+        """How long a chunk may be in flight before an idle donor fetches a copy of it:
+        a few times the typical chunk time, never below ``min_steal_after``."""
+        if not round_.durations:
+            return max(self.min_steal_after, self.chunk_timeout / 4)
+        return max(self.min_steal_after, 3 * statistics.median(round_.durations))
+
+    async def _worker(self, round_: _Round, session: _Session) -> None:
+        loop = asyncio.get_running_loop()
+        donor = session.peer_id
+        scheduler = round_.scheduler
+        while session.alive and not scheduler.complete:
+            steal_after = self._steal_after(round_)
+            chunk = scheduler.take(donor, loop.time(), steal_after)
+            if chunk is None:
+                if not scheduler.has_work(donor):
+                    return
+                changed = round_.changed
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(steal_after / 2):
+                        await changed.wait()
+                continue
+            await self._fetch_chunk(round_, session, chunk)
+
+    async def _fetch_chunk(self, round_: _Round, session: _Session, chunk: int) -> None:
+        loop = asyncio.get_running_loop()
+        donor = session.peer_id
+        started = loop.time()
+        fetch = asyncio.ensure_future(
+            self.peer.call(
+                donor,
+                self.rpc.chunk,
+                {"session": session.session_id, "index": chunk},
+                timeout=self.chunk_timeout,
+            )
+        )
+        round_.fetches[donor, chunk] = fetch
+        try:
+            await asyncio.wait([fetch])
+        finally:
+            if not fetch.done():
+                fetch.cancel()
+                await asyncio.gather(fetch, return_exceptions=True)
+            round_.fetches.pop((donor, chunk), None)
+        if fetch.cancelled():  # another donor delivered this chunk first
+            return
+        try:
+            answer = fetch.result()
+            parts = self._parts_of(answer, donor, chunk)
+            if chunk in round_.assembler.done:
+                return
+            await asyncio.to_thread(round_.assembler.write, chunk, parts, str(donor))
+        except CorruptChunk as e:
+            self._drop(round_, session, str(e), warn=True)
+            return
+        except DeadlineExceeded:
+            session.timeouts += 1
+            if session.timeouts >= self.max_timeouts_per_donor:
+                self._drop(round_, session, f"{session.timeouts} chunk requests timed out")
+            else:
+                round_.scheduler.fail(chunk, donor)
+                round_.notify()
+            return
+        except (_DonorFailed, SwarmgradError, OSError) as e:
+            self._drop(round_, session, f"{type(e).__name__}: {e}")
+            return
+        if chunk in round_.assembler.done:
+            return
+        round_.assembler.done.add(chunk)
+        for other in round_.scheduler.finish(chunk, donor):
+            duplicate = round_.fetches.get((other, chunk))
+            if duplicate is not None:
+                duplicate.cancel()
+        round_.durations.append(loop.time() - started)
+        self.chunks_from[donor] += 1
+        round_.notify()
+        self._check_finished(round_)
+
+    @staticmethod
+    def _parts_of(answer: Any, donor: PeerID, chunk: int) -> list[Any]:
+        if not isinstance(answer, dict):
+            raise ProtocolViolation(f"chunk {chunk} answer from {donor} is not a dict")
+        status = answer.get("status")
+        if status != OK:
+            raise _DonorFailed(f"chunk {chunk}: {status}: {answer.get('reason', '')}")
+        parts = answer.get("parts")
+        if not isinstance(parts, list):
+            raise CorruptChunk(f"chunk {chunk} from {donor} carries no list of parts")
+        return parts
+
+    def _drop(self, round_: _Round, session: _Session, reason: str, warn: bool = False) -> None:
+        if not session.alive:
+            return
+        session.alive = False
+        donor = session.peer_id
+        self.dropped[donor] = reason
+        (logger.warning if warn else logger.info)("dropping donor %s: %s", donor, reason)
+        round_.scheduler.remove_donor(donor)
+        round_.donors.pop(donor, None)
+        for (fetcher, _), fetch in list(round_.fetches.items()):
+            if fetcher == donor:
+                fetch.cancel()
+        if self._candidates and not round_.scheduler.complete:
+            round_.recruiting += 1
+            self._spawn(round_, self._recruit(round_))
+        round_.notify()
+        self._check_finished(round_)
+
+    async def _recruit(self, round_: _Round) -> None:
+        """Replace a dropped donor with the next candidate, mid-download."""
+        try:
+            for session in await self._open_sessions(1):
+                if not round_.finished.is_set():
+                    self._add_donor(round_, session)
+        finally:
+            round_.recruiting -= 1
+            round_.notify()
+            self._check_finished(round_)
+
+
+async def load_state_from_peers(
+    peer: Peer,
+    dht_node: DHTNode,
+    *,
+    prefix: str,
+    timeout: float | None = None,
+    **options: Any,
+) -> State | None:
+    """Download the best state shared under ``prefix``: ``(metadata, tensors)``, or None
+    if no donor could provide it within ``timeout`` seconds (see :class:`StateDownloader`
+    for the options)."""
+    downloader = StateDownloader(peer, dht_node, prefix=prefix, **options)
+    return await downloader.run(timeout)
