@@ -13,6 +13,47 @@ from swarmgrad.utils.errors import (
 from swarmgrad.utils.timeutils import get_dht_time
 
 __version__ = "0.1.0"
+
+# Names that live in heavier packages (torch, the DHT) are imported on first use, so that
+# ``import swarmgrad`` stays cheap and ``swarmgrad.DHT`` etc. work as in hivemind.
+_LAZY = {
+    "DHT": "swarmgrad.dht",
+    "DHTNode": "swarmgrad.dht",
+    "Ed25519SignatureValidator": "swarmgrad.dht",
+    "RSASignatureValidator": "swarmgrad.dht",
+    "SchemaValidator": "swarmgrad.dht",
+    "CompressionType": "swarmgrad.compression",
+    "CompressionBase": "swarmgrad.compression",
+    "NoCompression": "swarmgrad.compression",
+    "Float16Compression": "swarmgrad.compression",
+    "ScaledFloat16Compression": "swarmgrad.compression",
+    "Uniform8BitQuantization": "swarmgrad.compression",
+    "Quantile8BitQuantization": "swarmgrad.compression",
+    "BlockwiseQuantization": "swarmgrad.compression",
+    "SizeAdaptiveCompression": "swarmgrad.compression",
+    "RoleAdaptiveCompression": "swarmgrad.compression",
+    "PerTensorCompression": "swarmgrad.compression",
+    "serialize_torch_tensor": "swarmgrad.compression",
+    "deserialize_torch_tensor": "swarmgrad.compression",
+    "BatchTensorDescriptor": "swarmgrad.moe.protocol",
+    "ExpertInfo": "swarmgrad.moe",
+    "declare_experts": "swarmgrad.moe",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'swarmgrad' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 __all__ = [
     "ConnectionClosed",
     "DeadlineExceeded",
