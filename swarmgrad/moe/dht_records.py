@@ -91,11 +91,15 @@ async def withdraw_experts_on_node(
     await node.store_many(keys, values, expiration_time, subkeys=subkeys)
 
 
-def _servers_from_uid_record(uid: ExpertUID, record: ValueWithExpiration | None):
+def _servers_from_uid_record(
+    uid: ExpertUID, record: ValueWithExpiration | None, expiration_time: float | None = None
+):
     if record is None or not isinstance(record.value, Mapping):
         return None
     servers = []
     for subkey, entry in record.value.items():
+        if expiration_time is not None and entry.expiration_time < expiration_time:
+            continue
         server = _server_info(subkey, entry.value)
         if server is not None:
             servers.append(server)
@@ -114,15 +118,20 @@ def _server_info(peer_text: Any, maddrs: Any) -> ServerInfo | None:
 
 
 async def get_experts_info_on_node(
-    node: DHTNode, uids: Sequence[ExpertUID], latest: bool = False
+    node: DHTNode,
+    uids: Sequence[ExpertUID],
+    latest: bool = False,
+    *,
+    expiration_time: float | None = None,
 ) -> list[ExpertInfo | None]:
     """For each uid, every live server hosting it (None when no server declared it).
-    ``latest=True`` skips cached records (slower, sees withdrawals at once). Servers'
-    addresses are added to the peer's address book."""
+    ``latest=True`` skips cached records (slower, sees withdrawals at once). With
+    ``expiration_time``, servers whose declaration expires before it are left out.
+    Servers' addresses are added to the peer's address book."""
     for uid in uids:
         check_uid(uid)
     found = await node.get_many(list(dict.fromkeys(uids)), latest=latest)
-    infos = [_servers_from_uid_record(uid, found.get(uid)) for uid in uids]
+    infos = [_servers_from_uid_record(uid, found.get(uid), expiration_time) for uid in uids]
     remember_addresses(node, (info for info in infos if info is not None))
     return infos
 
