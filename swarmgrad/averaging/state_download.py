@@ -99,7 +99,7 @@ class _Round:
     durations: deque = field(default_factory=lambda: deque(maxlen=32))
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    recruiting: int = 0
+    upgrade: bool = False  # a better state turned up: stop and switch to it
 
     def notify(self) -> None:
         self.changed.set()
@@ -144,6 +144,9 @@ class StateDownloader:
         self.refused: dict[PeerID, str] = {}
         self._candidates: deque[tuple[int, DonorRecord]] = deque()
         self._sessions: list[_Session] = []
+        self._opening: dict[asyncio.Task, DonorRecord] = {}  # manifest requests in flight
+        self._round: _Round | None = None
+        self._changed = asyncio.Event()
 
     # ------------------------------------------------------------------ entry point
 
@@ -164,6 +167,10 @@ class StateDownloader:
             )
             return None
         finally:
+            openers = list(self._opening)
+            for task in openers:
+                task.cancel()
+            await asyncio.gather(*openers, return_exceptions=True)
             await self._release_sessions()
 
     def _why(self) -> str:
@@ -172,6 +179,9 @@ class StateDownloader:
             return ""
         return " (" + "; ".join(f"{peer}: {why}" for peer, why in reasons.items()) + ")"
 
+    def _live(self) -> list[_Session]:
+        return [s for s in self._sessions if s.alive]
+
     async def _download(self) -> State | None:
         found = await self.dht_node.get(declaration_key(self.prefix), latest=True)
         records = parse_declarations(found, exclude=self.peer.peer_id)
@@ -179,26 +189,27 @@ class StateDownloader:
             logger.info("no peer shares its state under %r", self.prefix)
             return None
         self._candidates = deque(enumerate(order_donors(records, self.rng)))
+        self._fill()
         assembler: StateAssembler | None = None
         while True:
-            live = [s for s in self._sessions if s.alive]
-            if len(live) < self.max_donors and self._candidates:
-                await self._open_sessions(self.max_donors - len(live))
-                live = [s for s in self._sessions if s.alive]
-            if not live:
-                if self._candidates:
-                    continue
+            live = self._live()
+            if not live and not self._opening:
                 logger.warning(
                     "no donor could provide the state under %r%s", self.prefix, self._why()
                 )
                 return None
+            # Start as soon as no donor still answering could offer a higher priority
+            # (a donor that is merely slower to answer joins the download when it does).
+            pending = max((r.priority for r in self._opening.values()), default=-math.inf)
+            if not live or max(s.priority for s in live) < pending:
+                changed = self._changed
+                await changed.wait()
+                continue
             target = self._choose_target(live)
             try:
                 new = StateAssembler(target.manifest)
             except ValidationError as e:
-                target.alive = False
-                self.dropped[target.peer_id] = str(e)
-                logger.warning("cannot take the state of %s: %s", target.peer_id, e)
+                self._forget(target, str(e))
                 continue
             if assembler is not None:
                 kept = new.adopt(assembler)
@@ -211,9 +222,7 @@ class StateDownloader:
             try:
                 metadata, tensors = assembler.result(target.metadata)
             except ProtocolViolation as e:
-                target.alive = False
-                self.dropped[target.peer_id] = str(e)
-                logger.warning("dropping donor %s: %s", target.peer_id, e)
+                self._forget(target, str(e))
                 continue
             logger.info(
                 "downloaded a state of %d bytes in %d chunks from %s",
@@ -223,6 +232,16 @@ class StateDownloader:
             )
             return metadata, tensors
 
+    def _forget(self, session: _Session, reason: str) -> None:
+        session.alive = False
+        self.dropped[session.peer_id] = reason
+        logger.warning("dropping donor %s: %s", session.peer_id, reason)
+        self._fill()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def _choose_target(self, live: list[_Session]) -> _Session:
         """Highest priority first; among equals, the state most donors can serve."""
         shared = Counter(s.manifest.root_digest for s in live)
@@ -230,16 +249,31 @@ class StateDownloader:
 
     # ------------------------------------------------------------------ sessions
 
-    async def _open_sessions(self, wanted: int) -> list[_Session]:
-        opened: list[_Session] = []
-        while len(opened) < wanted and self._candidates:
-            batch = [
-                self._candidates.popleft()
-                for _ in range(min(wanted - len(opened), len(self._candidates)))
-            ]
-            results = await asyncio.gather(*(self._open_session(r, rec) for r, rec in batch))
-            opened.extend(s for s in results if s is not None)
-        return opened
+    def _fill(self) -> None:
+        """Ask more candidates for a session until ``max_donors`` are open or opening."""
+        while self._candidates and len(self._live()) + len(self._opening) < self.max_donors:
+            rank, record = self._candidates.popleft()
+            task = asyncio.ensure_future(self._open_session(rank, record))
+            self._opening[task] = record
+            task.add_done_callback(self._on_opened)
+
+    def _on_opened(self, task: asyncio.Task) -> None:
+        self._opening.pop(task, None)
+        if task.cancelled():
+            return
+        session = task.result()  # _open_session handles its errors and returns None
+        round_ = self._round
+        if session is None:
+            self._fill()
+        elif round_ is not None and not round_.finished.is_set():
+            if session.priority > round_.target.priority:
+                round_.upgrade = True  # a better state than the one we fetch: switch to it
+                round_.finished.set()
+            else:
+                self._add_donor(round_, session)
+        self._notify()
+        if round_ is not None:
+            self._check_finished(round_)
 
     async def _open_session(self, rank: int, record: DonorRecord) -> _Session | None:
         donor = record.peer_id
@@ -306,12 +340,14 @@ class StateDownloader:
         """Fetch the target's missing chunks from every donor that holds them. True when
         complete; False when the chunks left are held by no remaining donor."""
         round_ = _Round(target, assembler, ChunkScheduler(assembler.missing))
-        for session in [s for s in self._sessions if s.alive]:
+        self._round = round_
+        for session in self._live():
             self._add_donor(round_, session)
         self._check_finished(round_)
         try:
             await round_.finished.wait()
         finally:
+            self._round = None
             tasks = list(round_.workers)
             for task in tasks:
                 task.cancel()
@@ -345,7 +381,7 @@ class StateDownloader:
 
     def _check_finished(self, round_: _Round) -> None:
         scheduler = round_.scheduler
-        if scheduler.complete or (not round_.recruiting and scheduler.unobtainable()):
+        if scheduler.complete or (not self._opening and scheduler.unobtainable()):
             round_.finished.set()
 
     def _steal_after(self, round_: _Round) -> float:
@@ -450,22 +486,9 @@ class StateDownloader:
         for (fetcher, _), fetch in list(round_.fetches.items()):
             if fetcher == donor:
                 fetch.cancel()
-        if self._candidates and not round_.scheduler.complete:
-            round_.recruiting += 1
-            self._spawn(round_, self._recruit(round_))
+        self._fill()  # a replacement, if any candidate is left
         round_.notify()
         self._check_finished(round_)
-
-    async def _recruit(self, round_: _Round) -> None:
-        """Replace a dropped donor with the next candidate, mid-download."""
-        try:
-            for session in await self._open_sessions(1):
-                if not round_.finished.is_set():
-                    self._add_donor(round_, session)
-        finally:
-            round_.recruiting -= 1
-            round_.notify()
-            self._check_finished(round_)
 
 
 async def load_state_from_peers(

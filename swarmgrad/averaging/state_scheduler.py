@@ -49,7 +49,7 @@ class ChunkScheduler:
         """Forget a donor; its chunks in flight go back to the pool. Returns them."""
         self._eligible.pop(donor, None)
         self._queues.pop(donor, None)
-        returned = [c for c, fetchers in self._in_flight.items() if donor in fetchers]
+        returned = sorted(c for c, fetchers in self._in_flight.items() if donor in fetchers)
         for chunk in returned:
             self.fail(chunk, donor)
         return returned
