@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
+from swarmgrad.dht import DHT
 from swarmgrad.moe.dht_records import declare_experts_on_node
 from swarmgrad.moe.protocol import (
     BACKWARD,
@@ -194,3 +195,36 @@ class FakeExpertServer:
         expert.module.zero_grad(set_to_none=True)
         codecs = [d.compression for d in expert.args_schema]
         return {"grad_inputs": tensors_to_message([g.detach() for g in grads], codecs)}
+
+
+class Swarm:
+    """A bootstrap DHT, server DHTs with fake expert servers, and a client DHT."""
+
+    def __init__(self):
+        self.dhts: list[DHT] = []
+        self.servers: list[FakeExpertServer] = []
+        self.root = self.dht()
+        self.client = self.dht(client_mode=True)
+
+    def dht(self, **kwargs) -> DHT:
+        initial = [str(self.root.get_visible_maddrs()[0])] if self.dhts else []
+        dht = DHT(initial_peers=initial, start=True, **kwargs)
+        self.dhts.append(dht)
+        return dht
+
+    def server(self, experts: dict, **kwargs) -> FakeExpertServer:
+        server = FakeExpertServer.start(self.dht(), experts, **kwargs)
+        self.servers.append(server)
+        return server
+
+    def close(self):
+        for server in self.servers:
+            server.close()
+        for dht in reversed(self.dhts):
+            dht.shutdown()
+
+    def __enter__(self) -> Swarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -7,10 +7,9 @@ import time
 
 import pytest
 import torch
-from moe_fakes import FakeExpert, FakeExpertServer
+from moe_fakes import FakeExpert, FakeExpertServer, Swarm
 from torch import nn
 
-from swarmgrad.dht import DHT
 from swarmgrad.moe.client import RemoteExpert, create_remote_experts, get_experts
 from swarmgrad.moe.client.health import SERVER_HEALTH
 from swarmgrad.moe.expert_uid import ExpertInfo, ServerInfo
@@ -40,38 +39,10 @@ class TwoInTwoOut(nn.Module):
 SCHEMA = (BatchTensorDescriptor(4), BatchTensorDescriptor(2))
 
 
-class Swarm:
-    """A bootstrap DHT, server DHTs with fake expert servers, and a client DHT."""
-
-    def __init__(self):
-        self.dhts: list[DHT] = []
-        self.servers: list[FakeExpertServer] = []
-        self.root = self.dht()
-        self.client = self.dht(client_mode=True)
-
-    def dht(self, **kwargs) -> DHT:
-        initial = [str(self.root.get_visible_maddrs()[0])] if self.dhts else []
-        dht = DHT(initial_peers=initial, start=True, **kwargs)
-        self.dhts.append(dht)
-        return dht
-
-    def server(self, experts: dict, **kwargs) -> FakeExpertServer:
-        server = FakeExpertServer.start(self.dht(), experts, **kwargs)
-        self.servers.append(server)
-        return server
-
-    def close(self):
-        for server in self.servers:
-            server.close()
-        for dht in reversed(self.dhts):
-            dht.shutdown()
-
-
 @pytest.fixture
 def swarm():
-    swarm = Swarm()
-    yield swarm
-    swarm.close()
+    with Swarm() as swarm:
+        yield swarm
 
 
 def info_of(uid: str, *servers: FakeExpertServer) -> ExpertInfo:
