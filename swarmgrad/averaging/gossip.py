@@ -1,0 +1,504 @@
+"""Pair-wise gossip averaging (as in dpwa): each step pulls one peer's parameters and mixes
+them into ours.
+
+Peers declare themselves in the DHT under ``<prefix>.gossip`` (subkey = PeerID, value =
+``{"v": 1, "maddrs": [...]}``, refreshed every ``declare_period``) and serve one RPC,
+``<prefix>.gossip.pull``: the request names the puller's tensor schema
+(``[[dtype, shape], ...]``); the answer is a copy of the server's tensors (optionally
+compressed), its sample clock and its latest loss. A server whose tensors differ in
+number, shape or dtype refuses with an error naming the first mismatching tensor.
+
+A step, with probability ``fetch_probability``, picks a peer by flow-control score
+(:class:`~swarmgrad.averaging.gossip_rules.PeerScoreboard`: fast, reliable peers are
+asked more often, slow or failing ones rarely), pulls, checks what came back (schema,
+NaN/Inf, clock and loss values), skips the mix when the Euclidean distance between the
+two parameter vectors exceeds ``divergence_threshold``, and otherwise sets
+``local = (1 - a) * local + a * remote`` with ``a`` from the mixing rule
+(:func:`~swarmgrad.averaging.gossip_rules.mixing_factor`). A peer that fails is penalized
+and, within the same step, another one is tried (up to ``max_attempts``).
+
+:class:`AsyncGossipAverager` runs on the event loop (use it from async code that owns a
+peer and a DHT node, e.g. on the simulated network); :class:`GossipAverager` is the
+synchronous facade over a :class:`~swarmgrad.dht.DHT`. The averaged tensors are changed
+in place under a lock, in a worker thread; hold :meth:`get_tensors` while changing them
+from other threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import math
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarmgrad.averaging.gossip_rules import MixingRule, PeerScoreboard, mixing_factor
+from swarmgrad.compression.serialized import CompressionType, dtype_name
+from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
+from swarmgrad.dht.dht import DHT
+from swarmgrad.dht.node import DHTNode
+from swarmgrad.dht.storage import ValueWithExpiration
+from swarmgrad.net.identity import PeerID
+from swarmgrad.net.peer import Peer
+from swarmgrad.net.rpc import RPCContext
+from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
+from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
+
+__all__ = ["AsyncGossipAverager", "GossipAverager", "GossipResult"]
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+MAX_MADDRS = 16
+
+
+@dataclass(frozen=True)
+class GossipResult:
+    """What one step did: ``mixed`` is True when remote parameters were mixed in."""
+
+    peer: PeerID | None = None
+    factor: float | None = None
+    distance: float | None = None
+    skipped: str | None = None  # why nothing was mixed: "fetch_probability", "diverged", ...
+    failures: tuple[str, ...] = ()  # peers tried before, and why each failed
+
+    @property
+    def mixed(self) -> bool:
+        return self.peer is not None and self.skipped is None
+
+
+def _schema(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
+    return [[dtype_name(t.dtype), list(t.shape)] for t in tensors]
+
+
+def _describe(entry: Sequence[Any]) -> str:
+    return f"{entry[0]}{list(entry[1])}"
+
+
+def schema_mismatch(ours: list[list[Any]], theirs: Any, who: str) -> str | None:
+    """Why ``theirs`` (another peer's schema) differs from ``ours``, or None."""
+    if not isinstance(theirs, list):
+        return f"{who} sent no tensor schema"
+    if len(theirs) != len(ours):
+        return f"{who} averages {len(theirs)} tensors, this peer {len(ours)}"
+    for i, (mine, other) in enumerate(zip(ours, theirs, strict=True)):
+        if not isinstance(other, list | tuple) or len(other) != 2 or list(other) != mine:
+            return f"tensor {i}: {who} has {_describe_safe(other)}, this peer {_describe(mine)}"
+    return None
+
+
+def _describe_safe(entry: Any) -> str:
+    try:
+        return _describe(entry)
+    except Exception:
+        return repr(entry)[:80]
+
+
+class AsyncGossipAverager:
+    """Gossip averaging on the event loop (see the module docstring).
+
+    ``averaged_tensors`` are floating-point tensors changed in place. Call :meth:`start`
+    on the loop, then ``await step(...)``; ``await shutdown()`` withdraws and stops.
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        peer: Peer,
+        dht_node: DHTNode,
+        *,
+        prefix: str,
+        mixing: str | MixingRule = MixingRule.CONSTANT,
+        mixing_constant: float = 0.5,
+        divergence_threshold: float | None = None,
+        fetch_probability: float = 1.0,
+        request_timeout: float = 5.0,
+        client_mode: bool = False,
+        declare_period: float = 30.0,
+        compression: CompressionType | str = CompressionType.NONE,
+        max_attempts: int = 3,
+        rng: random.Random | None = None,
+        scoreboard: PeerScoreboard | None = None,
+    ):
+        tensors = list(averaged_tensors)
+        for i, tensor in enumerate(tensors):
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise ValidationError(
+                    f"averaged tensor {i} must be a floating-point torch tensor, got "
+                    f"{getattr(tensor, 'dtype', type(tensor).__name__)}"
+                )
+        if not 0 <= mixing_constant <= 1:
+            raise ValidationError(f"mixing_constant must be in [0, 1], got {mixing_constant}")
+        if not 0 <= fetch_probability <= 1:
+            raise ValidationError(f"fetch_probability must be in [0, 1], got {fetch_probability}")
+        if divergence_threshold is not None and not divergence_threshold > 0:
+            raise ValidationError(
+                f"divergence_threshold must be positive or None, got {divergence_threshold}"
+            )
+        if request_timeout <= 0 or declare_period <= 0 or max_attempts < 1:
+            raise ValidationError("request_timeout, declare_period and max_attempts must be > 0")
+        self.tensors = tensors
+        self.peer, self.dht_node, self.prefix = peer, dht_node, prefix
+        self.mixing = MixingRule.parse(mixing)
+        self.mixing_constant = mixing_constant
+        self.divergence_threshold = divergence_threshold
+        self.fetch_probability = fetch_probability
+        self.request_timeout = request_timeout
+        self.client_mode = client_mode
+        self.declare_period = declare_period
+        self.compression = CompressionType(compression)
+        self.max_attempts = max_attempts
+        self.rng = rng or random.Random()
+        self.scoreboard = scoreboard or PeerScoreboard(rng=self.rng)
+        self.key = f"{prefix}.gossip"
+        self.rpc_name = f"{prefix}.gossip.pull"
+        self.lock = threading.Lock()  # guards the tensors, the clock and the loss
+        self.samples_seen = 0.0
+        self.loss: float | None = None
+        self.pulls_served = 0
+        self._schema = _schema(tensors)
+        self._peers: dict[PeerID, tuple[str, ...]] = {}
+        self._peers_fetched_at: float | None = None
+        self._declared_until: float | None = None
+        self._task: asyncio.Task | None = None
+        self._started = self._closed = False
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        """Serve pulls and declare this peer (unless in client mode); call on the loop."""
+        if self._started:
+            raise ValidationError("this gossip averager has already been started")
+        self._started = True
+        if not self.client_mode:
+            self.peer.add_handler(self.rpc_name, self._rpc_pull)
+            self._task = asyncio.get_running_loop().create_task(
+                self._declare_loop(), name=f"declare {self.key}"
+            )
+
+    async def shutdown(self, withdraw_timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.client_mode and self._started:
+            self.peer.remove_handler(self.rpc_name)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._declared_until is not None:
+            expiration = max(self._declared_until, self.dht_node.time_fn()) + 1.0
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(withdraw_timeout):
+                    await self.dht_node.store(
+                        self.key, None, expiration, subkey=self.peer.peer_id.to_base58()
+                    )
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[list[torch.Tensor]]:
+        """The averaged tensors, locked against mixing and serving while in the block."""
+        with self.lock:
+            yield self.tensors
+
+    # ------------------------------------------------------------------ declarations
+
+    async def _declare_loop(self) -> None:
+        while True:
+            try:
+                maddrs = [str(m) for m in self.peer.get_visible_maddrs()][:MAX_MADDRS]
+                expiration = self.dht_node.time_fn() + 2 * self.declare_period
+                value = {"v": PROTOCOL_VERSION, "maddrs": maddrs}
+                await self.dht_node.store(
+                    self.key, value, expiration, subkey=self.peer.peer_id.to_base58()
+                )
+                self._declared_until = expiration
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning("could not declare gossip peer under %s: %r", self.key, e)
+            await asyncio.sleep(self.declare_period)
+
+    async def _refresh_peers(self, force: bool = False) -> None:
+        now = asyncio.get_running_loop().time()
+        fresh = (
+            self._peers_fetched_at is not None
+            and now - self._peers_fetched_at < self.declare_period / 2
+        )
+        if fresh and self._peers and not force:
+            return
+        found = await self.dht_node.get(self.key, latest=force or not self._peers)
+        self._peers_fetched_at = now
+        peers: dict[PeerID, tuple[str, ...]] = {}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, entry in found.value.items():
+                parsed = _parse_declaration(subkey, entry)
+                if parsed is not None and parsed[0] != self.peer.peer_id:
+                    peers[parsed[0]] = parsed[1]
+        for gone in set(self._peers) - set(peers):
+            self.scoreboard.forget(gone)
+        self._peers = peers
+
+    @property
+    def known_peers(self) -> list[PeerID]:
+        return list(self._peers)
+
+    # ------------------------------------------------------------------ serving
+
+    async def _rpc_pull(self, request: Any, context: RPCContext) -> dict[str, Any]:
+        if not isinstance(request, dict) or request.get("v") != PROTOCOL_VERSION:
+            raise ValidationError(f"a gossip pull must be {{'v': {PROTOCOL_VERSION}, 'schema'}}")
+        mismatch = schema_mismatch(self._schema, request.get("schema"), str(context.remote_id))
+        if mismatch is not None:
+            logger.debug("refusing a gossip pull: %s", mismatch)
+            raise ValidationError(f"{self.peer.peer_id} refuses the pull: {mismatch}")
+        tensors, samples, loss = await asyncio.to_thread(self._snapshot)
+        self.pulls_served += 1
+        return {
+            "tensors": tensors_to_message(tensors, self.compression),
+            "samples": samples,
+            "loss": loss,
+        }
+
+    def _snapshot(self) -> tuple[list[torch.Tensor], float, float | None]:
+        with self.lock:
+            return [t.detach().clone() for t in self.tensors], self.samples_seen, self.loss
+
+    # ------------------------------------------------------------------ stepping
+
+    async def step(
+        self, samples_seen: float | None = None, loss: float | None = None
+    ) -> GossipResult:
+        """Count ``samples_seen`` new samples (default 1: the clock counts steps), record
+        ``loss`` and, with probability ``fetch_probability``, pull one peer and mix."""
+        if samples_seen is not None and not (math.isfinite(samples_seen) and samples_seen >= 0):
+            raise ValidationError(f"samples_seen must be a finite number >= 0, got {samples_seen}")
+        if loss is not None and not math.isfinite(loss):
+            raise ValidationError(f"loss must be finite, got {loss}")
+        with self.lock:
+            self.samples_seen += 1.0 if samples_seen is None else float(samples_seen)
+            if loss is not None:
+                self.loss = float(loss)
+        if self.rng.random() >= self.fetch_probability:
+            return GossipResult(skipped="fetch_probability")
+        await self._refresh_peers()
+        failures: list[str] = []
+        tried: set[PeerID] = set()
+        for _ in range(self.max_attempts):
+            candidates = [p for p in self._peers if p not in tried]
+            if not candidates and not tried:
+                await self._refresh_peers(force=True)
+                candidates = list(self._peers)
+            chosen = self.scoreboard.choose(candidates)
+            if chosen is None:
+                break
+            tried.add(chosen)
+            result = await self._pull_and_mix(chosen, failures)
+            if result is not None:
+                return result
+        skipped = "no peer answered" if tried else "no peers"
+        return GossipResult(skipped=skipped, failures=tuple(failures))
+
+    async def _pull_and_mix(self, peer_id: PeerID, failures: list[str]) -> GossipResult | None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            self.peer.add_addresses(peer_id, self._peers.get(peer_id, ()))
+            answer = await self.peer.call(
+                peer_id,
+                self.rpc_name,
+                {"v": PROTOCOL_VERSION, "schema": self._schema},
+                timeout=self.request_timeout,
+            )
+            remote, samples, loss = self._check_answer(peer_id, answer)
+        except (SwarmgradError, OSError, ValueError) as e:
+            elapsed = loop.time() - started
+            self.scoreboard.record_failure(peer_id, max(elapsed, self.request_timeout / 2))
+            failures.append(f"{peer_id}: {e}")
+            logger.info("gossip pull from %s failed: %s", peer_id, e)
+            return None
+        self.scoreboard.record_success(peer_id, loop.time() - started)
+        return await asyncio.to_thread(self._mix, peer_id, remote, samples, loss, tuple(failures))
+
+    def _check_answer(
+        self, peer_id: PeerID, answer: Any
+    ) -> tuple[list[torch.Tensor], float, float | None]:
+        if not isinstance(answer, dict):
+            raise ProtocolViolation(f"gossip answer from {peer_id} is not a dict")
+        remote = tensors_from_message(answer.get("tensors"), f"tensors from {peer_id}")
+        mismatch = schema_mismatch(self._schema, _schema(remote), str(peer_id))
+        if mismatch is not None:
+            raise ProtocolViolation(mismatch)
+        for i, tensor in enumerate(remote):
+            if not torch.isfinite(tensor).all():
+                raise ProtocolViolation(f"tensor {i} from {peer_id} holds NaN or Inf values")
+        samples, loss = answer.get("samples"), answer.get("loss")
+        if type(samples) not in (int, float) or not math.isfinite(samples) or samples < 0:
+            raise ProtocolViolation(f"{peer_id} reports an invalid sample clock {samples!r}")
+        if loss is not None and (type(loss) not in (int, float) or not math.isfinite(loss)):
+            raise ProtocolViolation(f"{peer_id} reports an invalid loss {loss!r}")
+        return remote, float(samples), loss
+
+    def _mix(
+        self,
+        peer_id: PeerID,
+        remote: list[torch.Tensor],
+        remote_samples: float,
+        remote_loss: float | None,
+        failures: tuple[str, ...],
+    ) -> GossipResult:
+        with self.lock:
+            factor = mixing_factor(
+                self.mixing,
+                mixing_constant=self.mixing_constant,
+                local_samples=self.samples_seen,
+                remote_samples=remote_samples,
+                local_loss=self.loss,
+                remote_loss=remote_loss,
+            )
+            distance = None
+            if self.divergence_threshold is not None:
+                distance = math.sqrt(
+                    sum(
+                        float(torch.sum((a.double() - b.double()) ** 2))
+                        for a, b in zip(self.tensors, remote, strict=True)
+                    )
+                )
+                if distance > self.divergence_threshold:
+                    logger.info(
+                        "not mixing with %s: parameter distance %.4g exceeds %.4g",
+                        peer_id,
+                        distance,
+                        self.divergence_threshold,
+                    )
+                    return GossipResult(peer_id, factor, distance, "diverged", failures)
+            with torch.no_grad():
+                for local, other in zip(self.tensors, remote, strict=True):
+                    local.lerp_(other.to(local.device), factor)
+            self.samples_seen = (1 - factor) * self.samples_seen + factor * remote_samples
+        return GossipResult(peer_id, factor, distance, None, failures)
+
+
+def _parse_declaration(subkey: Any, entry: Any) -> tuple[PeerID, tuple[str, ...]] | None:
+    value = entry.value if isinstance(entry, ValueWithExpiration) else entry
+    try:
+        peer_id = PeerID.from_base58(subkey)
+    except Exception:
+        return None
+    if not isinstance(value, dict) or value.get("v") != PROTOCOL_VERSION:
+        return None
+    maddrs = value.get("maddrs")
+    if not isinstance(maddrs, list) or not all(isinstance(m, str) for m in maddrs):
+        return None
+    return peer_id, tuple(maddrs[:MAX_MADDRS])
+
+
+class GossipAverager:
+    """Synchronous gossip averaging over a :class:`~swarmgrad.dht.DHT` (hivemind-style).
+
+    ``GossipAverager(tensors, dht, prefix="run42", start=True)``; then ``step()`` after
+    each local training step, and ``shutdown()`` at the end. ``client_mode`` defaults to
+    the DHT's: a client-mode peer pulls from others but is not pulled from. Other keyword
+    arguments are those of :class:`AsyncGossipAverager`.
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht: DHT,
+        *,
+        prefix: str,
+        start: bool = False,
+        mixing: str | MixingRule = MixingRule.CONSTANT,
+        mixing_constant: float = 0.5,
+        divergence_threshold: float | None = None,
+        fetch_probability: float = 1.0,
+        request_timeout: float = 5.0,
+        client_mode: bool | None = None,
+        shutdown_timeout: float = 10.0,
+        **kwargs: Any,
+    ):
+        self.dht = dht
+        self.shutdown_timeout = shutdown_timeout
+        self._options = dict(
+            prefix=prefix,
+            mixing=mixing,
+            mixing_constant=mixing_constant,
+            divergence_threshold=divergence_threshold,
+            fetch_probability=fetch_probability,
+            request_timeout=request_timeout,
+            client_mode=dht.client_mode if client_mode is None else client_mode,
+            **kwargs,
+        )
+        self._tensors = list(averaged_tensors)
+        self._core: AsyncGossipAverager | None = None
+        if start:
+            self.run_in_background()
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """Start serving and declaring (the DHT must be running)."""
+        if self._core is not None:
+            raise ValidationError("this GossipAverager is already running")
+        peer, node = self.dht.peer, self.dht.node
+        if peer is None or node is None:
+            raise ValidationError("the DHT is not running: start it before the averager")
+
+        async def create() -> AsyncGossipAverager:
+            core = AsyncGossipAverager(self._tensors, peer, node, **self._options)
+            core.start()
+            return core
+
+        self._core = run_coroutine(create(), timeout=timeout)
+
+    def _running(self) -> AsyncGossipAverager:
+        if self._core is None or self._core._closed:
+            raise ValidationError("the GossipAverager is not running: call run_in_background()")
+        return self._core
+
+    def step(
+        self,
+        samples_seen: float | None = None,
+        loss: float | None = None,
+        *,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> GossipResult | concurrent.futures.Future:
+        """One gossip step (see :meth:`AsyncGossipAverager.step`); with ``wait=False`` a
+        future of the result."""
+        core = self._running()
+        if not wait:
+            return run_coroutine_future(core.step(samples_seen, loss))
+        return run_coroutine(core.step(samples_seen, loss), timeout=timeout)
+
+    def get_tensors(self) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """``with averager.get_tensors() as tensors:`` read or change them safely."""
+        if self._core is None:
+            return contextlib.nullcontext(self._tensors)
+        return self._core.get_tensors()
+
+    @property
+    def samples_seen(self) -> float:
+        return self._running().samples_seen
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.dht.peer_id
+
+    def is_alive(self) -> bool:
+        return self._core is not None and not self._core._closed
+
+    def shutdown(self) -> None:
+        core, self._core = self._core, None
+        if core is not None:
+            run_coroutine(core.shutdown(), timeout=self.shutdown_timeout)
+
+    def __enter__(self) -> GossipAverager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
