@@ -1,6 +1,16 @@
 """Fault-tolerant averaging: Moshpit matchmaking, butterfly all-reduce, load balancing,
 gossip, and state download for joining peers."""
 
+from swarmgrad.averaging.gossip import AsyncGossipAverager, GossipAverager, GossipResult
 from swarmgrad.averaging.group_info import GroupInfo
+from swarmgrad.averaging.state_transfer import StateDownloader, StateSharing, load_state_from_peers
 
-__all__ = ["GroupInfo"]
+__all__ = [
+    "AsyncGossipAverager",
+    "GossipAverager",
+    "GossipResult",
+    "GroupInfo",
+    "StateDownloader",
+    "StateSharing",
+    "load_state_from_peers",
+]
