@@ -123,7 +123,9 @@ def test_two_peers_mix_exactly_by_the_rule(mixing, setup, expected_factor):
         await stop([a, b], nodes)
         return result, a_tensors, b_tensors, clock, b.peer.peer_id
 
-    result, a_tensors, b_tensors, clock, b_id = run_simulation(main, latency=0.01)
+    result, a_tensors, b_tensors, clock, b_id = run_simulation(
+        main, latency=0.01, check_leftover_tasks=True
+    )
     assert result.mixed and result.peer == b_id and result.factor == pytest.approx(expected_factor)
     f = expected_factor
     for got, x, y in zip(a_tensors, a0, b0, strict=True):
@@ -151,7 +153,7 @@ def test_eight_peers_converge_toward_their_mean():
         await stop(averagers, nodes)
         return [t[0] for t in tensors]
 
-    final = run_simulation(main, latency=0.01)
+    final = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     consensus = torch.stack(final).mean(0)
     spread = max(float((t - consensus).norm()) for t in final)
     assert spread < 1e-3 * spread0  # everyone agrees...
@@ -173,7 +175,7 @@ def test_peers_too_far_apart_are_not_mixed():
         await stop([strict, _], nodes)
         return skipped, unchanged, mixed, a_tensors[0]
 
-    skipped, unchanged, mixed, after = run_simulation(main, latency=0.01)
+    skipped, unchanged, mixed, after = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     assert skipped.skipped == "diverged" and skipped.distance == pytest.approx(6.0)
     assert torch.equal(unchanged, torch.zeros(4))
     assert mixed.mixed and torch.allclose(after, torch.full((4,), 1.5))
@@ -191,10 +193,12 @@ def test_flow_control_avoids_a_failing_peer():
         tried_broken = sum(
             1 for r in results for failure in r.failures if str(broken.peer.peer_id) in failure
         )
-        await stop(averagers[:4], nodes[:4])
+        await stop(averagers, nodes)
         return results, tried_broken, puller.known_peers, broken.peer.peer_id
 
-    results, tried_broken, known, broken_id = run_simulation(main, latency=0.01)
+    results, tried_broken, known, broken_id = run_simulation(
+        main, latency=0.01, check_leftover_tasks=True
+    )
     assert broken_id in known
     assert all(r.mixed and r.peer != broken_id for r in results)  # another peer stepped in
     assert 1 <= tried_broken <= 4  # chosen ~15 times by chance; failures make it rare
@@ -218,7 +222,7 @@ def test_pulls_with_mismatched_shapes_are_refused_with_a_clear_error(caplog):
         return result, error, mine
 
     with caplog.at_level(logging.INFO, logger="swarmgrad.averaging.gossip"):
-        result, error, mine = run_simulation(main, latency=0.01)
+        result, error, mine = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     assert not result.mixed and result.skipped == "no peer answered"
     assert "tensor 0:" in str(error) and "has float32[3, 4], this peer float32[4, 3]" in str(error)
     assert "tensor 0:" in result.failures[0]
@@ -237,7 +241,7 @@ def test_nan_parameters_from_a_peer_are_rejected():
         await stop([a, b], nodes)
         return result, mine
 
-    result, mine = run_simulation(main, latency=0.01)
+    result, mine = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     assert not result.mixed and "tensor 0 from" in result.failures[0]
     assert "NaN or Inf" in result.failures[0]
     assert torch.equal(mine[0], torch.ones(3))
@@ -262,7 +266,9 @@ def test_fetch_probability_and_client_mode():
         served = never.pulls_served + server.pulls_served
         return skipped, pulled, known, client.peer.peer_id, served
 
-    skipped, pulled, known, client_id, served = run_simulation(main, latency=0.01)
+    skipped, pulled, known, client_id, served = run_simulation(
+        main, latency=0.01, check_leftover_tasks=True
+    )
     assert all(r.skipped == "fetch_probability" for r in skipped)
     assert pulled.mixed and served == 1
     assert len(known) == 2 and client_id not in known  # a client pulls but is not declared
@@ -278,7 +284,7 @@ def test_compressed_pulls_mix_the_decompressed_values():
         await stop([a, b], nodes)
         return result, mine[0]
 
-    result, got = run_simulation(main, latency=0.01)
+    result, got = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     assert result.mixed and got.dtype == torch.float32
     assert torch.allclose(got, torch.linspace(0, 1, 5), atol=1e-3)
 

@@ -93,7 +93,9 @@ def test_state_comes_from_three_donors_at_once_and_matches():
         await stop(donors, nodes)
         return result, served, downloader.chunks_from, sessions_left
 
-    result, served, chunks_from, sessions_left = run_simulation(main, latency=0.01, bandwidth=50e6)
+    result, served, chunks_from, sessions_left = run_simulation(
+        main, latency=0.01, bandwidth=50e6, check_leftover_tasks=True
+    )
     assert same_state(result, state)
     assert len(chunks_from) == 3 and all(n > 0 for n in served)
     assert sum(chunks_from.values()) == num_chunks(state)  # every chunk exactly once
@@ -117,10 +119,12 @@ def test_a_donor_that_dies_midway_is_replaced_and_the_state_is_complete():
         await asyncio.sleep(1)
         downloader = StateDownloader(nodes[3].peer, nodes[3], prefix=PREFIX, chunk_timeout=5)
         result = await downloader.run(timeout=60)
-        await stop([healthy], [nodes[0], nodes[2], nodes[3]])
+        await stop([dying, healthy], nodes)
         return result, downloader, dying.peer.peer_id, healthy.peer.peer_id
 
-    result, downloader, dying_id, healthy_id = run_simulation(main, latency=0.01, bandwidth=20e6)
+    result, downloader, dying_id, healthy_id = run_simulation(
+        main, latency=0.01, bandwidth=20e6, check_leftover_tasks=True
+    )
     assert same_state(result, state)
     assert dying_id in downloader.dropped
     assert downloader.chunks_from[dying_id] <= 5 and downloader.chunks_from[healthy_id] > 0
@@ -146,7 +150,9 @@ def test_a_donor_that_sends_corrupt_chunks_is_dropped_and_its_chunks_refetched(c
         return result, downloader, liar.peer.peer_id, honest.peer.peer_id
 
     with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.state_download"):
-        result, downloader, liar_id, honest_id = run_simulation(main, latency=0.01)
+        result, downloader, liar_id, honest_id = run_simulation(
+            main, latency=0.01, check_leftover_tasks=True
+        )
     assert same_state(result, state)
     assert "does not match its digest" in downloader.dropped[liar_id]
     assert liar_id not in downloader.chunks_from and downloader.chunks_from[honest_id] > 0
@@ -173,7 +179,7 @@ def test_a_donor_lying_about_its_metadata_is_dropped(caplog):
         await stop([bad, good], nodes)
         return result, downloader, bad.peer.peer_id
 
-    result, downloader, bad_id = run_simulation(main, latency=0.01)
+    result, downloader, bad_id = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     assert same_state(result, state)
     assert "metadata" in downloader.dropped[bad_id]
 
@@ -193,7 +199,9 @@ def test_a_busy_donor_refuses_clearly_and_another_one_serves():
         await stop([busy, free], nodes)
         return result, downloader, held["status"], busy, free
 
-    result, downloader, held, busy, free = run_simulation(main, latency=0.01)
+    result, downloader, held, busy, free = run_simulation(
+        main, latency=0.01, check_leftover_tasks=True
+    )
     assert held == "ok"
     assert same_state(result, state)
     assert downloader.refused[busy.peer.peer_id].startswith("busy:")
@@ -216,9 +224,41 @@ def test_the_highest_priority_state_is_downloaded():
         await stop(donors.values(), nodes)
         return result, served
 
-    result, served = run_simulation(main, latency=0.01)
+    result, served = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     assert same_state(result, states[5.0])
     assert served[5.0] > 0 and served[1.0] == served[3.0] == 0  # different states, no sharing
+
+
+def test_a_better_state_that_turns_up_late_takes_over_the_download(caplog):
+    """Donor A declared priority 1 but has reached 9 by the time it answers (slowly, from
+    an async get_state); the download starts from B (priority 5) and switches to A."""
+    state_a, state_b = make_state(31), make_state(35)
+    priority_a = [1.0]
+
+    async def slow_get_state():
+        await asyncio.sleep(0.5)
+        return state_a
+
+    async def main(network):
+        nodes = await start_nodes(network, 3, random.Random(12))
+        a = StateSharing(nodes[0].peer, nodes[0], prefix=PREFIX, get_state=slow_get_state,
+                         priority=lambda: priority_a[0], chunk_size_bytes=CHUNK,
+                         declare_state_period=60)  # fmt: skip
+        a.start()
+        b = share(nodes[1], state_b, priority=5.0)
+        await asyncio.sleep(1)
+        priority_a[0] = 9.0  # not declared yet
+        network.set_link(host_of(nodes[1]), host_of(nodes[2]), bandwidth=50e3)
+        result = await load_state_from_peers(nodes[2].peer, nodes[2], prefix=PREFIX, timeout=60)
+        served = a.stats.chunks_served, b.stats.chunks_served
+        await stop([a, b], nodes)
+        return result, served
+
+    with caplog.at_level(logging.INFO, logger="swarmgrad.averaging.state_download"):
+        result, (from_a, from_b) = run_simulation(main, latency=0.01, check_leftover_tasks=True)
+    assert same_state(result, state_a)
+    assert from_b >= 1 and from_a == num_chunks(state_a)  # B had begun; A's chunks all count
+    assert any("switching to the state of" in r.getMessage() for r in caplog.records)
 
 
 def test_donors_with_partly_equal_states_share_the_equal_chunks():
@@ -236,7 +276,9 @@ def test_donors_with_partly_equal_states_share_the_equal_chunks():
         await stop([best, older], nodes)
         return result, served
 
-    result, (from_best, from_older) = run_simulation(main, latency=0.01, bandwidth=10e6)
+    result, (from_best, from_older) = run_simulation(
+        main, latency=0.01, bandwidth=10e6, check_leftover_tasks=True
+    )
     assert same_state(result, newer)
     assert from_best >= 1 and from_older >= 1
 
@@ -260,7 +302,9 @@ def test_a_slow_donor_does_not_hold_the_download_back():
         await stop([slow, fast], nodes)
         return result, elapsed, downloader.chunks_from, slow.peer.peer_id
 
-    result, elapsed, chunks_from, slow_id = run_simulation(main, latency=0.01, bandwidth=1e6)
+    result, elapsed, chunks_from, slow_id = run_simulation(
+        main, latency=0.01, bandwidth=1e6, check_leftover_tasks=True
+    )
     assert same_state(result, state)
     assert chunks_from[slow_id] == 0  # its chunks were fetched elsewhere before it answered
     assert elapsed < 3.0
@@ -287,7 +331,9 @@ def test_no_donor_gives_none_and_unreachable_donors_give_none_within_the_timeout
         await stop(donors, nodes)
         return nobody, no_donor_time, unreachable, unreachable_time
 
-    nobody, no_donor_time, unreachable, unreachable_time = run_simulation(main, latency=0.01)
+    nobody, no_donor_time, unreachable, unreachable_time = run_simulation(
+        main, latency=0.01, check_leftover_tasks=True
+    )
     assert nobody is None and no_donor_time < 5
     assert unreachable is None and 3 <= unreachable_time <= 3 + 2 + 0.1  # + bounded release
 
@@ -322,7 +368,7 @@ def test_sharing_toggle_and_shutdown_update_the_declaration():
         await stop([], nodes)
         return seen, refused, sharing.peer.peer_id
 
-    seen, refused, donor = run_simulation(main, latency=0.01)
+    seen, refused, donor = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     assert seen == [[donor], [], [donor], [donor], []]
     assert refused["status"] == "unavailable"
 
@@ -349,7 +395,9 @@ def test_sessions_expire_when_idle_and_concurrent_joiners_share_one_snapshot():
         await stop([sharing], nodes)
         return results, snapshots, first["status"], stranger["status"], late["status"]
 
-    results, snapshots, first, stranger, late = run_simulation(main, latency=0.01)
+    results, snapshots, first, stranger, late = run_simulation(
+        main, latency=0.01, check_leftover_tasks=True
+    )
     assert all(same_state(r, state) for r in results)
     assert snapshots == 1
     assert (first, stranger, late) == ("ok", "expired", "expired")
@@ -373,7 +421,7 @@ def test_a_donor_refuses_an_out_of_range_chunk_with_a_clear_error():
         await stop([sharing], nodes)
         return error
 
-    error = run_simulation(main, latency=0.01)
+    error = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     assert f"chunk index 99 is out of range [0, {num_chunks(state)})" in str(error)
 
 
