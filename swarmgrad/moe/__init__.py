@@ -9,14 +9,19 @@ from swarmgrad.moe.expert_uid import (
     is_valid_uid,
     split_uid,
 )
+from swarmgrad.moe.server import ModuleBackend, Server, background_server, register_expert_class
 
 __all__ = [
     "UID_DELIMITER",
     "ExpertInfo",
+    "ModuleBackend",
+    "Server",
     "ServerInfo",
+    "background_server",
     "declare_experts",
     "get_experts_info",
     "is_valid_prefix",
     "is_valid_uid",
+    "register_expert_class",
     "split_uid",
 ]

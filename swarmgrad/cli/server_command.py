@@ -1,0 +1,333 @@
+"""``swarmgrad server``: host experts of a decentralized mixture-of-experts.
+
+Example::
+
+    swarmgrad server --expert-cls ffn --hidden-dim 512 --num-experts 8 \\
+                     --expert-pattern "expert.[0:32].[0:32]" --initial-peers ADDR
+
+Every multi-word flag is also accepted in hivemind's spelling (``--expert_cls``).
+``--config FILE`` reads the same options from a JSON, TOML or YAML file (YAML when PyYAML
+is installed), keys spelled either way (``expert-cls`` or ``expert_cls``); flags on the
+command line override the file.
+
+Once serving, it prints two lines on stdout (scripts can parse them)::
+
+    Serving 8 ffn experts (hidden_dim 512): expert.3.17 expert.20.4 ...
+    Running an expert server. To join, use --initial-peers MADDR [MADDR ...]
+
+where each MADDR is a full multiaddr ``/ip4/.../tcp/N/p2p/<PeerID>``, then one indented
+line per multiaddr. It logs a status line every ``--stats-report-interval`` seconds and,
+on SIGINT or SIGTERM, withdraws its experts from the DHT, saves checkpoints (with
+``--checkpoint-dir``) and exits with code 0. Invalid options (a malformed
+``--expert-pattern``, an unknown ``--expert-cls``, ...) exit with code 2; a failure to
+start (e.g. no initial peer answers) with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from swarmgrad.utils.logging import use_swarmgrad_log_handler
+
+logger = logging.getLogger("swarmgrad.cli.server")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+#: defaults of every option (argparse itself keeps only what was given, so the config
+#: file can fill the gaps without overriding the command line)
+DEFAULTS: dict[str, Any] = {
+    "config": None,
+    "num_experts": None,
+    "expert_uids": None,
+    "expert_pattern": None,
+    "expert_cls": "ffn",
+    "hidden_dim": 1024,
+    "optimizer": "adam",
+    "scheduler": "none",
+    "num_warmup_steps": None,
+    "num_training_steps": None,
+    "clip_grad_norm": None,
+    "min_batch_size": 1,
+    "max_batch_size": 4096,
+    "batch_timeout": 0.05,
+    "device": None,
+    "compression": "none",
+    "checkpoint_dir": None,
+    "checkpoint_interval": None,
+    "keep_checkpoints": 5,
+    "stats_report_interval": 30.0,
+    "custom_module_path": None,
+    "update_period": 30.0,
+    "expiration": None,
+    "activation_cache_mb": 512.0,
+    "initial_peers": [],
+    "host_maddrs": ["/ip4/0.0.0.0/tcp/0"],
+    "announce_maddrs": [],
+    "identity_path": None,
+    "num_handlers": None,
+    "increase_file_limit": False,
+    "log_level": "INFO",
+}
+
+
+def _compression(text: str) -> str:
+    from swarmgrad.compression.serialized import CompressionType
+
+    for member in CompressionType:
+        if text.lower() in (member.value, member.name.lower()):
+            return member.value
+    known = ", ".join(m.value for m in CompressionType)
+    raise argparse.ArgumentTypeError(f"unknown compression {text!r}; expected one of {known}")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "server",
+        help="host experts of a decentralized mixture-of-experts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+
+    group: Any = parser  # option() adds to the group assigned last
+
+    def option(name: str, **kwargs: Any) -> None:
+        flags = [f"--{name}"]
+        if "-" in name:
+            flags.append(f"--{name.replace('-', '_')}")
+        dest = name.replace("-", "_")
+        if "help" in kwargs and DEFAULTS.get(dest) not in (None, [], False):
+            kwargs["help"] += f" (default: {DEFAULTS[dest]})"
+        group.add_argument(*flags, dest=dest, **kwargs)
+
+    option("config", help="JSON, TOML or YAML file with any of these options")
+    group = parser.add_argument_group("experts")
+    option("num-experts", type=int, help="how many experts to host (with --expert-pattern)")
+    option("expert-uids", nargs="+", help="exact uids to host, e.g. expert.0 expert.1")
+    option("expert-pattern", help='uid pattern to sample from, e.g. "expert.[0:32].[0:32]"')
+    option("expert-cls", help="expert class: ffn, transformer, det_dropout, nop or custom")
+    option("hidden-dim", type=int, help="hidden size of each expert")
+    option("custom-module-path", help="Python file whose register_expert_class calls add classes")
+    group = parser.add_argument_group("training")
+    option("optimizer", choices=["adam", "sgd", "none"], help="each expert's optimizer")
+    option("scheduler", choices=["linear", "none"], help="learning-rate schedule")
+    option("num-warmup-steps", type=int, help="warmup steps of the linear scheduler")
+    option("num-training-steps", type=int, help="steps until the linear scheduler reaches 0")
+    option("clip-grad-norm", type=float, help="clip each expert's gradient norm to this")
+    group = parser.add_argument_group("batching and compute")
+    option("min-batch-size", type=int, help="samples a batch waits for (up to --batch-timeout)")
+    option("max-batch-size", type=int, help="largest batch (and request) in samples")
+    option("batch-timeout", type=float, help="seconds a batch waits to reach --min-batch-size")
+    option("device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    option("compression", type=_compression, help="codec of outputs and gradients sent back")
+    option("activation-cache-mb", type=float, help="memory for forward graphs awaiting backward")
+    group = parser.add_argument_group("checkpoints")
+    option("checkpoint-dir", help="restore experts from and save them to this directory")
+    option("checkpoint-interval", type=float, help="seconds between checkpoints")
+    option("keep-checkpoints", type=int, help="newest checkpoints kept per expert")
+    group = parser.add_argument_group("network and DHT")
+    option("initial-peers", nargs="*", help="multiaddrs of peers already in the swarm")
+    option("host-maddrs", nargs="+", help="addresses to listen on (tcp/0 picks a port)")
+    option("announce-maddrs", nargs="*", help="public addresses to advertise (behind NAT)")
+    option("identity-path", help="ed25519 key file (created if missing): a stable PeerID")
+    option("update-period", type=float, help="seconds between re-declarations in the DHT")
+    option("expiration", type=float, help="lifetime of a declaration (default 2 x period, >= 60)")
+    group = parser.add_argument_group("misc")
+    option("stats-report-interval", type=float, help="seconds between status log lines")
+    option("num-handlers", type=int, help="accepted for hivemind compatibility; unused")
+    option("increase-file-limit", action="store_true", help="hivemind compatibility; unused")
+    option("log-level", help="DEBUG, INFO, WARNING, ...")
+    parser.set_defaults(run=run, server_parser=parser)
+
+
+# ---------------------------------------------------------------------- settings
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """Read a JSON, TOML or YAML file of options; keys in either spelling."""
+    file = Path(path)
+    suffix = file.suffix.lower()
+    try:
+        text = file.read_text()
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise ValueError("YAML configs need PyYAML; use JSON or TOML instead") from None
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except (OSError, ValueError) as e:  # JSON, TOML and YAML errors are ValueErrors
+        raise ValueError(f"config file {path!r}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path!r} must hold a table of options")
+    return {str(key).replace("-", "_"): value for key, value in data.items()}
+
+
+def _config_tokens(config: dict[str, Any], path: str) -> list[str]:
+    """The config as command-line tokens, so argparse converts and checks the values."""
+    unknown = sorted(set(config) - set(DEFAULTS) - {"config"})
+    if unknown:
+        raise ValueError(f"config file {path!r}: unknown options {unknown}")
+    tokens: list[str] = []
+    for key, value in config.items():
+        if key == "config" or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                tokens.append(flag)
+        elif isinstance(value, list):
+            tokens += [flag, *map(str, value)]
+        else:
+            tokens += [flag, str(value)]
+    return tokens
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults, then the config file, then the command line."""
+    given = {k: v for k, v in vars(args).items() if k not in ("run", "server_parser", "command")}
+    settings = dict(DEFAULTS)
+    if given.get("config"):
+        parser = args.server_parser
+        tokens = _config_tokens(load_config(given["config"]), given["config"])
+        from_file = vars(parser.parse_args(tokens))
+        settings.update({k: v for k, v in from_file.items() if k in DEFAULTS})
+    settings.update(given)
+    for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
+        if isinstance(settings[key], str):
+            settings[key] = [settings[key]]
+    return settings
+
+
+def server_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
+    """Server.create's arguments from the resolved settings."""
+    import torch
+
+    optimizers = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "none": None}
+    return dict(
+        num_experts=settings["num_experts"],
+        expert_uids=settings["expert_uids"],
+        expert_pattern=settings["expert_pattern"],
+        expert_cls=settings["expert_cls"],
+        hidden_dim=settings["hidden_dim"],
+        optim_cls=optimizers[settings["optimizer"]],
+        scheduler=settings["scheduler"],
+        num_warmup_steps=settings["num_warmup_steps"],
+        num_training_steps=settings["num_training_steps"],
+        clip_grad_norm=settings["clip_grad_norm"],
+        num_handlers=settings["num_handlers"],
+        min_batch_size=settings["min_batch_size"],
+        max_batch_size=settings["max_batch_size"],
+        batch_timeout=settings["batch_timeout"],
+        device=settings["device"],
+        initial_peers=settings["initial_peers"],
+        checkpoint_dir=settings["checkpoint_dir"],
+        checkpoint_interval=settings["checkpoint_interval"],
+        keep_checkpoints=settings["keep_checkpoints"],
+        compression=settings["compression"],
+        stats_report_interval=settings["stats_report_interval"],
+        activation_cache_bytes=int(settings["activation_cache_mb"] * 1024 * 1024),
+        custom_module_path=settings["custom_module_path"],
+        update_period=settings["update_period"],
+        expiration=settings["expiration"],
+        host_maddrs=settings["host_maddrs"],
+        announce_maddrs=settings["announce_maddrs"],
+        identity_path=settings["identity_path"],
+    )
+
+
+# ---------------------------------------------------------------------- running
+
+
+def check_settings(settings: dict[str, Any]) -> None:
+    """Refuse options that cannot work (ValidationError) before starting anything."""
+    from swarmgrad.moe.server import parse_expert_pattern
+    from swarmgrad.moe.server.layers import load_custom_module, name_to_block
+
+    if settings["expert_pattern"] is not None:
+        parse_expert_pattern(settings["expert_pattern"])
+    if settings["custom_module_path"] is not None:
+        load_custom_module(settings["custom_module_path"])
+        settings["custom_module_path"] = None  # loaded once is enough
+    if settings["expert_cls"] not in name_to_block:
+        raise ValueError(
+            f"unknown expert class {settings['expert_cls']!r}; known: {sorted(name_to_block)} "
+            "(add more with --custom-module-path)"
+        )
+    if settings["expert_uids"] is None and (
+        settings["num_experts"] is None or settings["expert_pattern"] is None
+    ):
+        raise ValueError("give --expert-uids, or --num-experts together with --expert-pattern")
+
+
+def _usage_error(message: str) -> int:
+    print(f"swarmgrad server: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarmgrad.moe.server import Server
+    from swarmgrad.utils.errors import SwarmgradError, ValidationError
+
+    try:  # everything checkable up front, before touching signals or logging
+        settings = resolve_settings(args)
+        check_settings(settings)
+    except ValueError as e:  # ValidationError is a ValueError too
+        return _usage_error(str(e))
+    use_swarmgrad_log_handler(str(settings["log_level"]).upper())
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        server = Server.create(start=True, **server_kwargs(settings))
+    except ValidationError as e:
+        return _usage_error(str(e))
+    except (SwarmgradError, OSError, ValueError, RuntimeError) as e:
+        print(f"swarmgrad server: could not start: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    try:
+        uids = list(server.module_backends)
+        print(
+            f"Serving {len(uids)} {settings['expert_cls']} experts "
+            f"(hidden_dim {settings['hidden_dim']}): {' '.join(uids)}",
+            flush=True,
+        )
+        maddrs = [str(m) for m in server.dht.get_visible_maddrs()]
+        print(f"Running an expert server. To join, use --initial-peers {' '.join(maddrs)}")
+        for maddr in maddrs:
+            print(f"  {maddr}")
+        sys.stdout.flush()
+        interval = settings["stats_report_interval"] or 30.0
+        while not stop.wait(interval):
+            _log_status(server)
+    finally:
+        print("Shutting down", flush=True)
+        server.shutdown()
+    return EXIT_OK
+
+
+def _log_status(server: Any) -> None:
+    backends = server.module_backends.values()
+    forward = sum(b.forward_pool.stats.batches for b in backends)
+    backward = sum(b.backward_pool.stats.batches for b in backends)
+    samples = sum(b.forward_pool.stats.samples for b in backends)
+    updates = sum(b.update_count for b in backends)
+    declared = server.declarer.declarations if server.declarer is not None else 0
+    logger.info(
+        "%d experts: %d forward batches (%d samples), %d backward batches, %d updates; "
+        "%d declaration rounds; %d connections",
+        len(server.module_backends), forward, samples, backward, updates, declared,
+        len(server.dht.peer.connected_peers),
+    )  # fmt: skip

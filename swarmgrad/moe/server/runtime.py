@@ -1,0 +1,237 @@
+"""The device thread: one thread runs every expert's batches, oldest request first.
+
+A single thread owns the device, so experts never compete for it and an expert's weights
+are only touched by one thread (checkpoints take the expert's own lock). The event loop
+only appends tasks to pools; this thread picks, among the pools that are ready, the one
+whose oldest task is oldest, runs the batch in torch (which releases the GIL for the
+heavy work), splits the outputs back per request and resolves the requests' futures on
+their loop with one ``call_soon_threadsafe`` per batch.
+
+An exception inside a batch goes to every request of that batch as an
+:class:`~swarmgrad.moe.server.task_pool.ExpertFailure`; the thread keeps serving.
+On shutdown the requests still queued receive an ExpertFailure saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+from swarmgrad.moe.server.task_pool import (
+    ExpertFailure,
+    Task,
+    TaskPool,
+    concat_args,
+    split_outputs,
+)
+from swarmgrad.utils.errors import ValidationError
+
+__all__ = ["Runtime"]
+
+logger = logging.getLogger(__name__)
+
+
+class Runtime:
+    """Runs the batches of ``pools`` on one background thread.
+
+    ``stats_report_interval`` (seconds) logs, per pool that did work, how many batches and
+    samples it processed and its mean batch size since the previous report.
+    """
+
+    def __init__(
+        self,
+        pools: Iterable[TaskPool],
+        *,
+        stats_report_interval: float | None = None,
+        name: str = "swarmgrad-runtime",
+    ):
+        self.pools: list[TaskPool] = list(pools)
+        names = [pool.name for pool in self.pools]
+        if len(set(names)) != len(names):
+            raise ValidationError(f"task pool names must be unique, got {names}")
+        self.stats_report_interval = stats_report_interval
+        self.name = name
+        self.batches_processed = 0
+        self._cond = threading.Condition(threading.Lock())
+        self._nonempty: dict[TaskPool, None] = {}  # pools with queued tasks, insertion order
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.ready = threading.Event()
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        """Start the device thread and attach the pools to it."""
+        if self._thread is not None:
+            raise ValidationError("this runtime was already started")
+        for pool in self.pools:
+            if pool.runtime is not None:
+                raise ValidationError(f"pool {pool.name} already belongs to a runtime")
+            pool.runtime = self
+        self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+        self._thread.start()
+        self.ready.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop after the batch in progress; queued requests get an ExpertFailure."""
+        for pool in self.pools:
+            if pool.runtime is self:
+                pool.runtime = None  # new submissions are refused from now on
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("runtime thread %s did not stop within %s s", self.name, timeout)
+        self.ready.clear()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ event loop side
+
+    def enqueue(self, pool: TaskPool, task: Task) -> None:
+        with self._cond:
+            if self._stopping:
+                raise ExpertFailure(f"{pool.name}: the server is shutting down")
+            pool.tasks.append(task)
+            pool.queued_samples += task.size
+            if pool not in self._nonempty:
+                self._nonempty[pool] = None
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ device thread
+
+    def _serve(self) -> None:
+        next_report = self._next_report(time.monotonic())
+        try:
+            while True:
+                picked = self._wait_for_batch(next_report)
+                if picked is None:
+                    return
+                pool, tasks = picked
+                if pool is not None and tasks:
+                    self._run_batch(pool, tasks)
+                now = time.monotonic()
+                if next_report is not None and now >= next_report:
+                    self._report_stats()
+                    next_report = self._next_report(now)
+        except BaseException:
+            logger.exception("the runtime thread %s crashed", self.name)
+            raise
+        finally:
+            self._fail_queued()
+
+    def _wait_for_batch(
+        self, next_report: float | None
+    ) -> tuple[TaskPool | None, list[Task]] | None:
+        """Block until some pool is ready, then take its batch. Returns None when stopping
+        and ``(None, [])`` when a stats report is due first."""
+        with self._cond:
+            while not self._stopping:
+                now = time.monotonic()
+                best: TaskPool | None = None
+                wake_at = next_report
+                for pool in list(self._nonempty):
+                    if not pool.tasks:
+                        del self._nonempty[pool]
+                        continue
+                    ready_at = pool.ready_at()
+                    if ready_at <= now:
+                        if best is None or pool.tasks[0].created < best.tasks[0].created:
+                            best = pool
+                    elif wake_at is None or ready_at < wake_at:
+                        wake_at = ready_at
+                if best is not None:
+                    tasks = best.take_batch()
+                    if not best.tasks:
+                        self._nonempty.pop(best, None)
+                    return best, tasks
+                if next_report is not None and now >= next_report:
+                    return None, []
+                self._cond.wait(None if wake_at is None else max(wake_at - now, 0.0))
+            return None
+
+    def _run_batch(self, pool: TaskPool, tasks: Sequence[Task]) -> None:
+        started = time.perf_counter()
+        batch_size = sum(t.size for t in tasks)
+        try:
+            outputs = tuple(pool.process_func(*concat_args(tasks)))
+            results = split_outputs(outputs, tasks)
+            error = None
+        except Exception as e:
+            logger.warning(
+                "%s failed on a batch of %d requests (%d samples): %r",
+                pool.name, len(tasks), batch_size, e,
+            )  # fmt: skip
+            results = None
+            error = (
+                f"{pool.name} failed on a batch of {len(tasks)} requests ({batch_size} samples): "
+                f"{type(e).__name__}: {e}"
+            )
+        pool.record(batch_size, len(tasks), time.perf_counter() - started, error is not None)
+        self.batches_processed += 1
+        _deliver_threadsafe(tasks, results, error)
+
+    def _fail_queued(self) -> None:
+        with self._cond:
+            self._stopping = True
+            leftovers = [(pool, pool.drain()) for pool in self.pools]
+            self._nonempty.clear()
+        for pool, tasks in leftovers:
+            if tasks:
+                _deliver_threadsafe(tasks, None, f"{pool.name}: the server is shutting down")
+
+    def _next_report(self, now: float) -> float | None:
+        interval = self.stats_report_interval
+        return None if not interval else now + interval
+
+    def _report_stats(self) -> None:
+        previous = getattr(self, "_reported", {})
+        current = {}
+        for pool in self.pools:
+            stats = pool.stats
+            current[pool.name] = (stats.batches, stats.samples, stats.busy_seconds)
+            batches, samples, busy = previous.get(pool.name, (0, 0, 0.0))
+            if stats.batches > batches:
+                new_batches, new_samples = stats.batches - batches, stats.samples - samples
+                logger.info(
+                    "%s: %d batches, %d samples (mean batch %.1f), %.2f s busy",
+                    pool.name, new_batches, new_samples, new_samples / new_batches,
+                    stats.busy_seconds - busy,
+                )  # fmt: skip
+        self._reported = current
+
+
+def _deliver_threadsafe(
+    tasks: Sequence[Task],
+    results: list[tuple] | None,
+    error: str | None,
+) -> None:
+    """Resolve the tasks' futures on their loops (one wake-up per loop); ``error`` is the
+    message of the ExpertFailure every task receives instead of a result."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[int]] = {}
+    for index, task in enumerate(tasks):
+        by_loop.setdefault(task.future.get_loop(), []).append(index)
+    for loop, indices in by_loop.items():
+        subset = [tasks[i] for i in indices]
+        subset_results = None if results is None else [results[i] for i in indices]
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            loop.call_soon_threadsafe(_deliver, subset, subset_results, error)
+
+
+def _deliver(tasks: Sequence[Task], results: list[tuple] | None, error: str | None) -> None:
+    for index, task in enumerate(tasks):
+        if task.future.done():
+            continue
+        if error is not None:
+            task.future.set_exception(ExpertFailure(error))
+        else:
+            task.future.set_result(results[index])

@@ -1,0 +1,219 @@
+"""Task pools and the device thread: batching, limits, ordering, errors, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from swarmgrad.moe.server.runtime import Runtime
+from swarmgrad.moe.server.task_pool import ExpertFailure, TaskPool
+from swarmgrad.utils.errors import ValidationError
+
+DEADLINE = 30.0
+
+
+class Gate:
+    """A process function that blocks on its first call until released, so that the test
+    can queue requests behind a busy device thread."""
+
+    def __init__(self, fn=None):
+        self.fn = fn or (lambda x: (x * 2,))
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls: list[int] = []
+
+    def __call__(self, x):
+        self.calls.append(x.shape[0])
+        if len(self.calls) == 1:
+            self.entered.set()
+            assert self.release.wait(DEADLINE), "the test never released the gate"
+        return self.fn(x)
+
+
+async def until(predicate) -> None:
+    """Poll state that the device thread changes (no event to await across threads)."""
+    async with asyncio.timeout(DEADLINE):
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+
+
+def rows(n: int, start: float = 0.0) -> torch.Tensor:
+    return torch.arange(start, start + n, dtype=torch.float32).unsqueeze(1)
+
+
+def test_concurrent_requests_are_combined_into_one_batch_and_split_back(arun):
+    pool = TaskPool(lambda x: (x * 2, x.sum(1, keepdim=True)), 64, "e.0_forward", 8, timeout=30)
+    runtime = Runtime([pool])
+
+    async def main():
+        runtime.start()
+        try:
+            inputs = [rows(2, 10 * i) for i in range(4)]
+            results = await asyncio.gather(*(pool.submit_task(x) for x in inputs))
+        finally:
+            runtime.shutdown()
+        for x, (doubled, summed) in zip(inputs, results, strict=True):
+            assert torch.equal(doubled, x * 2) and torch.equal(summed, x)
+        assert pool.stats.batches == 1 == runtime.batches_processed
+        assert list(pool.stats.recent_batch_sizes) == [8]
+        assert list(pool.stats.recent_batch_requests) == [4]
+
+    arun(main)
+
+
+def test_batches_never_exceed_max_batch_size_and_keep_arrival_order(arun):
+    gate = Gate()
+    pool = TaskPool(gate, 4, "e.0_forward")
+    runtime = Runtime([pool])
+
+    async def main():
+        runtime.start()
+        try:
+            first = pool.submit_task(rows(1))
+            await asyncio.to_thread(gate.entered.wait, DEADLINE)
+            sizes = [2, 2, 3, 1, 4, 1]
+            futures = [pool.submit_task(rows(n, 100 * i)) for i, n in enumerate(sizes)]
+            gate.release.set()
+            results = await asyncio.gather(first, *futures)
+        finally:
+            runtime.shutdown()
+        assert gate.calls == [1, 4, 4, 4, 1]  # [2, 2], [3, 1], [4], [1]
+        assert max(pool.stats.recent_batch_sizes) <= 4
+        for n, i, (out,) in zip(sizes, range(len(sizes)), results[1:], strict=True):
+            assert torch.equal(out, rows(n, 100 * i) * 2)
+
+    arun(main)
+
+
+def test_a_request_larger_than_max_batch_size_is_refused_at_once():
+    pool = TaskPool(lambda x: (x,), 4, "e.0_forward")
+    with pytest.raises(ValidationError, match=r"e\.0_forward.*5 samples exceeds max_batch_size=4"):
+        pool.submit_task(rows(5))
+
+
+def test_the_pool_with_the_oldest_request_runs_first(arun):
+    gate = Gate()
+    blocker = TaskPool(gate, 8, "a.0_forward")
+    order: list[str] = []
+    pools = [
+        TaskPool(lambda x, n=name: (order.append(n) or x,), 8, f"{name}_forward")
+        for name in ("b.0", "c.0", "d.0")
+    ]
+    runtime = Runtime([blocker, *pools])
+
+    async def main():
+        runtime.start()
+        try:
+            first = blocker.submit_task(rows(1))
+            await asyncio.to_thread(gate.entered.wait, DEADLINE)
+            futures = [pools[i].submit_task(rows(1)) for i in (2, 0, 1)]
+            gate.release.set()
+            await asyncio.gather(first, *futures)
+        finally:
+            runtime.shutdown()
+        assert order == ["d.0", "b.0", "c.0"]
+
+    arun(main)
+
+
+def test_an_error_in_a_batch_reaches_every_request_of_it_and_the_runtime_goes_on(arun):
+    def fragile(x):
+        if (x > 100).any():
+            raise RuntimeError("value too large for this expert")
+        return (x + 1,)
+
+    pool = TaskPool(fragile, 16, "e.0_forward", min_batch_size=2, timeout=30)
+    runtime = Runtime([pool])
+
+    async def main():
+        runtime.start()
+        try:
+            good, bad = pool.submit_task(rows(1)), pool.submit_task(rows(1, 500))
+            for future in (good, bad):
+                with pytest.raises(ExpertFailure) as info:
+                    await future
+                message = str(info.value)
+                assert "e.0_forward failed on a batch of 2 requests (2 samples)" in message
+                assert "RuntimeError: value too large for this expert" in message
+            # the thread survived: the next batch works
+            results = await asyncio.gather(pool.submit_task(rows(1)), pool.submit_task(rows(1)))
+        finally:
+            runtime.shutdown()
+        assert all(torch.equal(out, rows(1) + 1) for (out,) in results)
+        assert pool.stats.failed_batches == 1 and pool.stats.batches == 2
+
+    arun(main)
+
+
+def test_min_batch_size_waits_at_most_the_timeout(arun):
+    pool = TaskPool(lambda x: (x,), 64, "e.0_forward", min_batch_size=32, timeout=0.05)
+    runtime = Runtime([pool])
+
+    async def main():
+        runtime.start()
+        try:
+            (out,) = await asyncio.wait_for(pool.submit_task(rows(3)), DEADLINE)
+        finally:
+            runtime.shutdown()
+        assert torch.equal(out, rows(3))
+        assert list(pool.stats.recent_batch_sizes) == [3]
+
+    arun(main)
+
+
+def test_cancelled_requests_are_skipped(arun):
+    gate = Gate()
+    pool = TaskPool(gate, 8, "e.0_forward")
+    runtime = Runtime([pool])
+
+    async def main():
+        runtime.start()
+        try:
+            first = pool.submit_task(rows(1))
+            await asyncio.to_thread(gate.entered.wait, DEADLINE)
+            abandoned, kept = pool.submit_task(rows(3)), pool.submit_task(rows(2))
+            abandoned.cancel()
+            gate.release.set()
+            await asyncio.gather(first, kept)
+        finally:
+            runtime.shutdown()
+        assert gate.calls == [1, 2]
+
+    arun(main)
+
+
+def test_shutdown_fails_queued_requests_and_refuses_new_ones(arun):
+    gate = Gate()
+    pool = TaskPool(gate, 1, "e.0_forward")
+    runtime = Runtime([pool])
+
+    async def main():
+        runtime.start()
+        first = pool.submit_task(rows(1))
+        await asyncio.to_thread(gate.entered.wait, DEADLINE)
+        queued = pool.submit_task(rows(1))
+        stopping = asyncio.ensure_future(asyncio.to_thread(runtime.shutdown))
+        await until(lambda: runtime._stopping)
+        gate.release.set()
+        await stopping
+        (out,) = await first  # the batch in progress completes
+        assert torch.equal(out, rows(1) * 2)
+        with pytest.raises(ExpertFailure, match=r"e\.0_forward: the server is shutting down"):
+            await queued
+        with pytest.raises(ExpertFailure, match="not running"):
+            pool.submit_task(rows(1))
+        assert not runtime.is_alive
+
+    arun(main)
+
+
+def test_pool_arguments_are_checked():
+    with pytest.raises(ValidationError, match="min_batch_size must be in"):
+        TaskPool(lambda x: (x,), 4, "p", min_batch_size=5)
+    with pytest.raises(ValidationError, match="max_batch_size must be >= 1"):
+        TaskPool(lambda x: (x,), 0, "p")
+    with pytest.raises(ValidationError, match="unique"):
+        Runtime([TaskPool(lambda x: (x,), 4, "p"), TaskPool(lambda x: (x,), 4, "p")])
