@@ -136,14 +136,10 @@ class MoEBeamSearcher:
         beams: list[list[tuple[float, PrefixLevel]]] = [[(0.0, root)] for _ in range(batch_size)]
         last = len(self.grid_size) - 1
         for dim in range(last):
-            ranked = [_Ranked(beam, scores[dim][s]) for s, beam in enumerate(beams)]
+            ranked = _Ranked(beams, scores[dim], head=2 * beam_size)
             beams = await self._next_beams(node, ranked, beam_size, dim + 1)
-        results = []
-        for s, beam in enumerate(beams):
-            ranked = _Ranked(beam, scores[last][s])
-            count = min(num_results, len(ranked))
-            results.append([(ranked.scores[j], ranked.child(j)) for j in range(count)])
-        return results
+        ranked = _Ranked(beams, scores[last], head=num_results)
+        return [ranked.best(s, min(num_results, count)) for s, count in enumerate(ranked.counts)]
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -151,28 +147,33 @@ class MoEBeamSearcher:
     # ------------------------------------------------------------------ one level
 
     async def _next_beams(
-        self, node: Any, ranked: list[_Ranked], beam_size: int, level: int
+        self, node: Any, ranked: _Ranked, beam_size: int, level: int
     ) -> list[list[tuple[float, PrefixLevel]]]:
         """Walk each sample's ranked candidate prefixes, fetching the unknown ones for all
         samples together, until each has ``beam_size`` live ones or runs out."""
         known: dict[ExpertPrefix, PrefixLevel | None] = {}
-        beams: list[list[tuple[float, PrefixLevel]]] = [[] for _ in ranked]
-        positions = [0] * len(ranked)
+        beams: list[list[tuple[float, PrefixLevel]]] = [[] for _ in ranked.counts]
+        positions = [0] * len(beams)
         while True:
             wanted: set[ExpertPrefix] = set()
-            for s, candidates in enumerate(ranked):
-                beam, pos, end = beams[s], positions[s], len(candidates)
+            for s, end in enumerate(ranked.counts):
+                beam, pos = beams[s], positions[s]
+                if len(beam) >= beam_size or pos >= end:
+                    continue
+                head, scores = ranked.head_children(s), ranked.scores[s]
                 while len(beam) < beam_size and pos < end:  # take what is known
-                    found = known.get(candidates.child(pos), _MISSING)
+                    child = head[pos] if pos < len(head) else ranked.child(s, pos)
+                    found = known.get(child, _MISSING)
                     if found is _MISSING:
                         break
                     if found is not None:
-                        beam.append((candidates.scores[pos], found))
+                        score = scores[pos] if pos < len(head) else ranked.score(s, pos)
+                        beam.append((score, found))
                     pos += 1
                 positions[s] = pos
                 deficit = beam_size - len(beam)
                 while deficit > 0 and pos < end:  # then ask for as many as still needed
-                    child = candidates.child(pos)
+                    child = head[pos] if pos < len(head) else ranked.child(s, pos)
                     if known.get(child, _MISSING) is not None:  # unknown, or known alive
                         deficit -= 1
                         if child not in known:
@@ -267,39 +268,97 @@ class MoEBeamSearcher:
 
 
 class _Ranked:
-    """Every extension of a beam's prefixes by one coordinate, best first: the sorted
-    scores, and for each the beam entry it extends and the child index in that entry.
+    """Every sample's extensions of its beam by one coordinate, best first, computed for
+    the whole batch with a few array operations.
+
+    Candidate ``(k, c)`` of sample ``s`` extends the ``k``-th prefix of its beam by that
+    prefix's ``c``-th live coordinate. Only the ``head`` best of each sample are sorted
+    up front; a walk past them (many dead prefixes) sorts that sample's rest on demand.
     Coordinates scored -inf or NaN (dropped out by the switch gate) are left out."""
 
-    __slots__ = ("beam", "children", "owners", "scores")
-
-    def __init__(self, beam: list[tuple[float, PrefixLevel]], dim_scores: np.ndarray):
-        self.beam = beam
-        if len(beam) == 1:
-            base, level = beam[0]
-            totals = base + dim_scores[level.coords]
-            owners = np.zeros(len(totals), dtype=np.int64)
-            children = np.arange(len(totals))
-        elif beam:
-            totals = np.concatenate([base + dim_scores[level.coords] for base, level in beam])
-            sizes = [len(level.coords) for _, level in beam]
-            owners = np.repeat(np.arange(len(beam)), sizes)
-            children = np.concatenate([np.arange(n) for n in sizes])
+    def __init__(self, beams: list[list[tuple[float, PrefixLevel]]], scores: np.ndarray, head):
+        levels: list[PrefixLevel] = []
+        index: dict[int, int] = {}
+        width = max(1, max(len(beam) for beam in beams))
+        rows, ks, owners, bases = [], [], [], []  # per beam entry of every sample
+        for s, beam in enumerate(beams):
+            for k, (base, level) in enumerate(beam):
+                i = index.get(id(level))
+                if i is None:
+                    i = index[id(level)] = len(levels)
+                    levels.append(level)
+                rows.append(s)
+                ks.append(k)
+                owners.append(i)
+                bases.append(base)
+        span = max(1, max((len(level.coords) for level in levels), default=1))
+        coords = np.zeros((len(levels) + 1, span), dtype=np.int64)  # the last row: padding
+        valid = np.zeros((len(levels) + 1, span), dtype=bool)
+        for i, level in enumerate(levels):
+            coords[i, : len(level.coords)] = level.coords
+            valid[i, : len(level.coords)] = True
+        batch = len(beams)
+        owner = np.full((batch, width), len(levels), dtype=np.int64)
+        base = np.zeros((batch, width))
+        if rows:
+            owner[rows, ks] = owners
+            base[rows, ks] = bases
+        totals = base[:, :, None] + scores[np.arange(batch)[:, None, None], coords[owner]]
+        totals[~valid[owner] | np.isnan(totals)] = -np.inf
+        self.flat = totals.reshape(batch, width * span)
+        self.counts = np.count_nonzero(self.flat > -np.inf, axis=1).tolist()
+        head = min(max(head, 1), self.flat.shape[1])
+        if head < self.flat.shape[1]:
+            top = np.argpartition(-self.flat, head - 1, axis=1)[:, :head]
+            order = np.take_along_axis(
+                top, np.argsort(-np.take_along_axis(self.flat, top, 1), axis=1, kind="stable"), 1
+            )
         else:
-            totals = owners = children = np.empty(0, dtype=np.int64)
-        order = np.argsort(-totals, kind="stable")  # NaN sorts last, -inf just before it
-        scores = totals[order]
-        keep = int(np.count_nonzero(scores > -np.inf))
-        self.scores = scores[:keep].tolist()
-        self.owners = owners[order[:keep]].tolist()
-        self.children = children[order[:keep]].tolist()
+            order = np.argsort(-self.flat, axis=1, kind="stable")
+        self.head = head
+        self.order = order.tolist()
+        self.scores = np.take_along_axis(self.flat, order, 1).tolist()
+        self.span, self.owner, self.levels = span, owner.tolist(), levels
+        self._rest: dict[int, tuple[list[int], list[float]]] = {}
 
-    def __len__(self) -> int:
-        return len(self.scores)
+    def _row(self, s: int, j: int) -> tuple[list[int], list[float], int]:
+        """The sorted candidates holding position ``j``, and the position of their first."""
+        if j < self.head:
+            return self.order[s], self.scores[s], 0
+        rest = self._rest.get(s)
+        if rest is None:  # everything past the head, in order (ties: the head's choice holds)
+            taken = set(self.order[s])
+            order = [i for i in np.argsort(-self.flat[s], kind="stable").tolist() if i not in taken]
+            rest = self._rest[s] = (order, self.flat[s][order].tolist())
+        return rest[0], rest[1], self.head
 
-    def child(self, j: int) -> Any:
-        """The longer prefix (or the expert) of the ``j``-th best extension."""
-        return self.beam[self.owners[j]][1].children[self.children[j]]
+    def score(self, s: int, j: int) -> float:
+        if j < self.head:
+            return self.scores[s][j]
+        _, scores, first = self._row(s, j)
+        return scores[j - first]
+
+    def child(self, s: int, j: int) -> Any:
+        """The longer prefix (or the expert) of sample ``s``'s ``j``-th best extension."""
+        order, _, first = self._row(s, j)
+        k, c = divmod(order[j - first], self.span)
+        return self.levels[self.owner[s][k]].children[c]
+
+    def head_children(self, s: int) -> list[Any]:
+        """The children of sample ``s``'s ``head`` best extensions, in order."""
+        levels, owner, span = self.levels, self.owner[s], self.span
+        return [
+            levels[owner[index // span]].children[index % span]
+            for index in self.order[s][: self.counts[s]]
+        ]
+
+    def best(self, s: int, count: int) -> list[tuple[float, Any]]:
+        """(score, child) of sample ``s``'s ``count`` best extensions (``count <= head``)."""
+        levels, owner, span = self.levels, self.owner[s], self.span
+        return [
+            (score, levels[owner[index // span]].children[index % span])
+            for index, score in zip(self.order[s][:count], self.scores[s][:count], strict=True)
+        ]
 
 
 def _to_numpy(scores: Any) -> Any:
