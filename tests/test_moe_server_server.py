@@ -3,16 +3,20 @@ context managers, and checkpoints across restarts."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
 from swarmgrad.dht import DHT
+from swarmgrad.dht.node import DHTNode
 from swarmgrad.moe import protocol
 from swarmgrad.moe.dht_records import get_experts_info_on_node
-from swarmgrad.moe.server import Server, background_server
+from swarmgrad.moe.protocol import BatchTensorDescriptor
+from swarmgrad.moe.server import ModuleBackend, Server, background_server
 from swarmgrad.net.peer import Peer
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine
@@ -167,9 +171,34 @@ def test_a_server_cannot_start_twice_and_shutdown_is_idempotent():
     )
     try:
         server.run_in_background()
-        with pytest.raises(ValidationError, match="already started"):
+        with pytest.raises(ValidationError, match="cannot start: it is already started"):
             server.run_in_background()
     finally:
         server.shutdown()
         server.shutdown()
     assert not server.runtime.is_alive
+
+
+@pytest.mark.parametrize("yields_before_shutdown", [0, 1, 5])
+def test_shutting_down_while_starting_leaves_nothing_running(arun, yields_before_shutdown):
+    async def main():
+        peer = await Peer.create()
+        node = await DHTNode.create(peer, [])
+        schema = BatchTensorDescriptor(4)
+        backend = ModuleBackend("f.0", torch.nn.Identity(), args_schema=schema)
+        server = Server(SimpleNamespace(peer=peer, node=node), {"f.0": backend})
+        try:
+            starting = asyncio.ensure_future(server.astart())
+            for _ in range(yields_before_shutdown):
+                await asyncio.sleep(0)
+            await server.ashutdown()
+            (outcome,) = await asyncio.gather(starting, return_exceptions=True)
+            if yields_before_shutdown == 0:  # stopped before it began: starting is refused
+                assert isinstance(outcome, ValidationError)
+            assert server.declarer is None and not server.runtime.is_alive
+            assert protocol.FORWARD not in peer._handlers
+        finally:
+            await node.shutdown()
+            await peer.shutdown()
+
+    arun(main)

@@ -65,6 +65,7 @@ class ExpertDeclarer:
         self.last_expiration: float | None = None
         self.declarations = 0  # successful declaration rounds
         self._task: asyncio.Task | None = None
+        self._stopped = False
 
     async def declare_once(self) -> dict[ExpertUID, bool]:
         """One declaration round (bounded by update_period); failures are logged."""
@@ -89,11 +90,12 @@ class ExpertDeclarer:
 
     async def start(self, declare_now: bool = True) -> None:
         """Declare once (when ``declare_now``), then keep refreshing in the background."""
-        if self._task is not None:
-            raise ValidationError("this declarer is already running")
+        if self._task is not None or self._stopped:
+            raise ValidationError("this declarer is already running or was stopped")
         if declare_now:
             await self.declare_once()
-        self._task = asyncio.ensure_future(self._refresh(wait_first=declare_now))
+        if not self._stopped:  # stop() may have run while the first declaration was awaited
+            self._task = asyncio.ensure_future(self._refresh(wait_first=declare_now))
 
     async def _refresh(self, wait_first: bool) -> None:
         if not wait_first:
@@ -104,6 +106,7 @@ class ExpertDeclarer:
 
     async def stop(self, withdraw: bool = True, timeout: float = 10.0) -> None:
         """Stop refreshing and, with ``withdraw``, delete the records (bounded by timeout)."""
+        self._stopped = True
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

@@ -345,11 +345,11 @@ class Server:
     def _begin(self) -> None:
         with self._state_lock:
             if self._state != "new":
-                raise ValidationError(f"this server was already started ({self._state})")
+                raise ValidationError(f"this server cannot start: it is already {self._state}")
             self._state = "started"
-        self.runtime.start()
-        if self.checkpoint_saver is not None:
-            self.checkpoint_saver.start()
+            self.runtime.start()  # under the lock: a concurrent shutdown sees it running
+            if self.checkpoint_saver is not None:
+                self.checkpoint_saver.start()
 
     def _end(self) -> bool:
         with self._state_lock:
@@ -360,12 +360,17 @@ class Server:
         return previous == "started"
 
     async def _start_network(self) -> None:
+        if self._state != "started":  # shut down before this coroutine got to run
+            return
         peer, node = self.dht.peer, self.dht.node
         self.connection_handler.attach(peer)
         self.declarer = ExpertDeclarer(
             node, list(self.module_backends), self.update_period, self.expiration
         )
         await self.declarer.start(declare_now=True)
+        if self._state != "started":  # shut down during the first declaration
+            await self._stop_network(timeout=10.0)
+            return
         maddrs = [str(m) for m in peer.get_visible_maddrs()]
         logger.info("serving %d experts on %s", len(self.module_backends), maddrs)
         self.ready.set()

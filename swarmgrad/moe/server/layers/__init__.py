@@ -1,7 +1,6 @@
 """Expert classes servers host by name, and the registry that maps names to classes."""
 
-from swarmgrad.moe.server.layers import common
-from swarmgrad.moe.server.layers.common import (
+from swarmgrad.moe.server.layers.common import (  # importing it registers the classes
     DeterministicDropout,
     FeedforwardBlock,
     NopExpert,
@@ -13,8 +12,6 @@ from swarmgrad.moe.server.layers.registry import (
     name_to_input,
     register_expert_class,
 )
-
-del common
 
 __all__ = [
     "DeterministicDropout",
