@@ -204,3 +204,15 @@ def test_an_output_that_breaks_the_schema_is_an_error_naming_the_expert():
     b = ModuleBackend("shrink.0", Shrinking(), args_schema=BatchTensorDescriptor(4))
     with pytest.raises(ValidationError, match=r"outputs of expert 'shrink.0'\[0\]: expected shape"):
         b.forward(torch.zeros(3, 4))
+
+
+def test_the_cache_bounds_graphs_that_save_nothing_by_count_and_age():
+    cache = ActivationCache(1 << 30, max_entries=3, max_age=3600)
+    schema = BatchTensorDescriptor(4)
+    identity = ModuleBackend("id.0", nn.Identity(), args_schema=schema, activation_cache=cache)
+    for _ in range(5):
+        identity.forward(torch.randn(2, 4))
+    assert len(cache) == 3 and cache.nbytes > 0  # inputs it keeps are counted too
+    cache.max_age = 0.0
+    identity.forward(torch.randn(2, 4))
+    assert len(cache) <= 1

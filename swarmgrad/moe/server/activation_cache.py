@@ -10,9 +10,10 @@ answering ``moe.forward`` and lets ``moe.backward`` reuse it when
 - the expert's weights have not been updated in between,
 
 which is when recomputing would build the very same graph. Anything else recomputes, so
-results never depend on whether the cache hit. The saved activations are counted as they
-are recorded (``saved_tensors_hooks``) and the cache holds at most ``max_bytes`` of them,
-dropping the least recently used graphs first.
+results never depend on whether the cache hit. The memory a graph keeps alive (the
+tensors autograd saves, counted as they are recorded with ``saved_tensors_hooks``, plus
+the inputs and outputs) is bounded by ``max_bytes`` over all graphs, their number by
+``max_entries``, and their age by ``max_age`` seconds; the oldest graphs go first.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import collections
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +41,7 @@ class CachedForward:
     args: tuple[torch.Tensor, ...]  # the leaves the graph starts from
     outputs: tuple[torch.Tensor, ...]
     nbytes: int
+    created: float = field(default_factory=time.monotonic)
 
 
 class _Meter:
@@ -48,12 +51,15 @@ class _Meter:
         self.nbytes = 0
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.count(tensor)
+        return tensor
+
+    def count(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self.exclude and ptr not in self.seen:
             self.seen.add(ptr)
             self.nbytes += storage.nbytes()
-        return tensor
 
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -61,11 +67,12 @@ class _Meter:
 
 
 class ActivationCache:
-    """Forward graphs awaiting their backward, at most ``max_bytes`` of saved tensors in
-    total across the experts sharing the cache. Thread-safe."""
+    """Forward graphs awaiting their backward, shared by several experts. Thread-safe."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, max_entries: int = 4096, max_age: float = 120.0):
         self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.max_age = max_age
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
         self._entries: collections.OrderedDict[int, CachedForward] = collections.OrderedDict()
@@ -77,19 +84,25 @@ class ActivationCache:
 
     @contextlib.contextmanager
     def measure(self, module: torch.nn.Module) -> Iterator[_Meter]:
-        """Count the bytes autograd saves during the block (parameters excluded)."""
+        """Count the bytes autograd saves during the block (parameters excluded); call
+        ``meter.count(t)`` for other tensors the entry will keep (inputs, outputs)."""
         exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
         meter = _Meter(exclude)
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             yield meter
 
     def put(self, entry: CachedForward) -> None:
-        if entry.nbytes > self.max_bytes:
+        if entry.nbytes > self.max_bytes or self.max_entries < 1:
             return
         with self._lock:
             self._entries[next(self._ids)] = entry
             self.nbytes += entry.nbytes
-            while self.nbytes > self.max_bytes and self._entries:
+            too_old = entry.created - self.max_age
+            while self._entries and (
+                self.nbytes > self.max_bytes
+                or len(self._entries) > self.max_entries
+                or next(iter(self._entries.values())).created < too_old
+            ):
                 _, old = self._entries.popitem(last=False)
                 self.nbytes -= old.nbytes
                 self.evictions += 1

@@ -194,6 +194,8 @@ class ModuleBackend:
             args = self._leaves(inputs)
             with torch.enable_grad(), cache.measure(self.module) as meter:
                 outputs = self._checked_outputs(self._call_module(args), inputs)
+            for tensor in (*inputs, *outputs):
+                meter.count(tensor)
             cache.put(CachedForward(self, self.update_count, inputs, args, outputs, meter.nbytes))
         return tuple(output.detach() for output in outputs)
 
