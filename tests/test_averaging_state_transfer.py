@@ -403,6 +403,49 @@ def test_sessions_expire_when_idle_and_concurrent_joiners_share_one_snapshot():
     assert (first, stranger, late) == ("ok", "expired", "expired")
 
 
+def test_snapshots_taken_under_the_state_lock_are_consistent():
+    """A trainer thread keeps rewriting the donor's live tensors (all to the same value,
+    under the lock); every downloaded state must show one value throughout."""
+    live = [torch.zeros(50_000), torch.zeros(7, 3)]
+    lock = threading.Lock()
+    stop_writing = threading.Event()
+
+    def trainer() -> None:
+        value = 0.0
+        while not stop_writing.is_set():
+            value += 1
+            with lock:
+                for tensor in live:
+                    tensor.fill_(value)
+
+    async def main(network):
+        nodes = await start_nodes(network, 3, random.Random(13))
+        sharing = StateSharing(nodes[0].peer, nodes[0], prefix=PREFIX, priority=1.0,
+                               get_state=lambda: ({}, live), state_lock=lock,
+                               chunk_size_bytes=CHUNK, snapshot_reuse_period=0.0)  # fmt: skip
+        sharing.start()
+        await asyncio.sleep(1)
+        results = []
+        for node in nodes[1:] * 3:
+            results.append(await load_state_from_peers(node.peer, node, prefix=PREFIX, timeout=30))
+            await asyncio.sleep(1)
+        snapshots = sharing.stats.snapshots_taken
+        await stop([sharing], nodes)
+        return results, snapshots
+
+    writer = threading.Thread(target=trainer)
+    writer.start()
+    try:
+        results, snapshots = run_simulation(main, latency=0.01, check_leftover_tasks=True)
+    finally:
+        stop_writing.set()
+        writer.join()
+    assert snapshots == len(results) == 6
+    for _, tensors in results:
+        values = torch.cat([t.flatten() for t in tensors]).unique()
+        assert len(values) == 1 and values.item() > 0
+
+
 def test_a_donor_refuses_an_out_of_range_chunk_with_a_clear_error():
     state = make_state(10)
 

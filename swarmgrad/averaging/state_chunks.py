@@ -41,6 +41,7 @@ __all__ = [
     "StateManifest",
     "StateSnapshot",
     "TensorSpec",
+    "freeze_state",
     "pack_metadata",
 ]
 
@@ -238,6 +239,41 @@ class StateManifest:
             raise bad(str(e)) from None
 
 
+def freeze_state(
+    metadata: Any, tensors: Sequence[torch.Tensor], *, copy: bool = True
+) -> tuple[bytes, list[torch.Tensor]]:
+    """Encode the metadata and take contiguous CPU copies of the tensors: the part of a
+    snapshot that must happen under the owner's lock (hashing can follow outside it).
+    With ``copy=False`` CPU tensors are used as they are (only safe when nobody modifies
+    them while the snapshot lives)."""
+    metadata_bytes = pack_metadata(metadata)
+    frozen = []
+    for i, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValidationError(f"state tensor {i} is a {type(tensor).__name__}, not a tensor")
+        try:
+            dtype_name(tensor.dtype)
+        except CodecError as e:
+            raise ValidationError(f"state tensor {i}: {e}") from None
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        elif copy:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        frozen.append(tensor.contiguous())
+    return metadata_bytes, frozen
+
+
+def _as_uint8(buffer: Any) -> torch.Tensor:
+    """A byte buffer as a uint8 tensor, without a copy when it is writable."""
+    view = memoryview(buffer).cast("B")
+    if not len(view):
+        return torch.empty(0, dtype=torch.uint8)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as a flat uint8 tensor (no copy)."""
     return tensor.reshape(-1).view(torch.uint8)
@@ -271,39 +307,26 @@ class StateSnapshot:
         *,
         copy: bool = True,
     ) -> StateSnapshot:
-        """Freeze ``(metadata, tensors)``. With ``copy=False`` the tensors' own memory is
-        served (only safe when nobody modifies them while the snapshot lives)."""
-        metadata_bytes = pack_metadata(metadata)
-        frozen = []
-        for i, tensor in enumerate(tensors):
-            if not isinstance(tensor, torch.Tensor):
-                raise ValidationError(
-                    f"state tensor {i} is a {type(tensor).__name__}, not a tensor"
-                )
-            try:
-                dtype_name(tensor.dtype)
-            except CodecError as e:
-                raise ValidationError(f"state tensor {i}: {e}") from None
-            tensor = tensor.detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            elif copy:
-                tensor = tensor.clone(memory_format=torch.contiguous_format)
-            frozen.append(tensor.contiguous())
-        flat = [memoryview(_flat_bytes(t).numpy()) for t in frozen]
-        specs = tuple(TensorSpec.of(t) for t in frozen)
-        total = sum(len(f) for f in flat)
-        num_chunks = -(-total // chunk_size)
+        """Freeze ``(metadata, tensors)`` and hash it (see :func:`freeze_state`)."""
+        return cls.from_frozen(*freeze_state(metadata, tensors, copy=copy), chunk_size)
+
+    @classmethod
+    def from_frozen(
+        cls, metadata: bytes, tensors: Sequence[torch.Tensor], chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> StateSnapshot:
+        """Hash a state made by :func:`freeze_state` chunk by chunk."""
+        flat = [memoryview(_flat_bytes(t).numpy()) for t in tensors]
+        specs = tuple(TensorSpec.of(t) for t in tensors)
+        num_chunks = -(-sum(len(f) for f in flat) // chunk_size)
         # a manifest without digests yet: checks the chunk size and cuts the chunks
         layout = StateManifest(specs, chunk_size, (b"",) * num_chunks, b"", 0)
         digests = tuple(
             _digest([flat[t][o : o + n] for t, o, n in layout.segments(i)])
             for i in range(num_chunks)
         )
-        manifest = StateManifest(
-            specs, chunk_size, digests, hashlib.sha256(metadata_bytes).digest(), len(metadata_bytes)
-        )
-        return cls(manifest, metadata_bytes, flat, keepalive=frozen)
+        metadata_digest = hashlib.sha256(metadata).digest()
+        manifest = StateManifest(specs, chunk_size, digests, metadata_digest, len(metadata))
+        return cls(manifest, metadata, flat, keepalive=tensors)
 
     @property
     def nbytes(self) -> int:
@@ -329,7 +352,7 @@ class StateAssembler:
             raise ValidationError(
                 f"cannot allocate a state of {manifest.total_bytes} bytes: {e}"
             ) from None
-        self._flat = [memoryview(_flat_bytes(t).numpy()) for t in self.tensors]
+        self._flat = [_flat_bytes(t) for t in self.tensors]
         self.done: set[int] = set()
 
     @property
@@ -364,11 +387,19 @@ class StateAssembler:
         """Verify chunk ``index`` and copy it into place (thread-safe for distinct chunks).
         Does not mark it done: the caller decides which copy of a chunk counts."""
         self.verify(index, parts, source)
-        source_view = memoryview(parts[0] if len(parts) == 1 else b"".join(parts)).cast("B")
-        position = 0
-        for tensor, offset, length in self.manifest.segments(index):
-            self._flat[tensor][offset : offset + length] = source_view[position : position + length]
-            position += length
+        # Copy part by part into the tensors with torch, which releases the GIL (this runs
+        # in worker threads while the event loop keeps receiving).
+        segments = iter(self.manifest.segments(index))
+        tensor, offset, left = next(segments, (0, 0, 0))
+        for part in parts:
+            source = _as_uint8(part)
+            position = 0
+            while position < len(source):
+                if left == 0:
+                    tensor, offset, left = next(segments)
+                n = min(left, len(source) - position)
+                self._flat[tensor][offset : offset + n].copy_(source[position : position + n])
+                position, offset, left = position + n, offset + n, left - n
 
     def adopt(self, other: StateAssembler) -> int:
         """Take over the chunks ``other`` already verified that this manifest lists with

@@ -122,7 +122,7 @@ class StateDownloader:
         request_timeout: float = 10.0,
         chunk_timeout: float = 30.0,
         max_donors: int = 4,
-        chunks_in_flight_per_donor: int = 2,
+        chunks_in_flight_per_donor: int = 3,
         max_timeouts_per_donor: int = 2,
         min_steal_after: float = 0.5,
         max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,

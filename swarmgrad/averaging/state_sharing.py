@@ -37,7 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarmgrad.averaging.state_chunks import DEFAULT_CHUNK_SIZE, StateSnapshot
+import torch
+
+from swarmgrad.averaging.state_chunks import DEFAULT_CHUNK_SIZE, StateSnapshot, freeze_state
 from swarmgrad.averaging.state_protocol import (
     BUSY,
     EXPIRED,
@@ -98,6 +100,12 @@ class StateSharing:
     ``priority`` is a number or a function returning one, evaluated at every declaration
     and every snapshot; higher priorities are downloaded first.
 
+    A snapshot copies the tensors (``copy_state=False`` serves them as they are, for a
+    ``get_state`` that already returns private copies). Pass the owner's tensor lock as
+    ``state_lock`` (a ``threading.Lock`` or any context manager): it is held, in a worker
+    thread, while ``get_state`` runs and the tensors are copied, so a snapshot never sees
+    a half-updated state; hashing follows outside the lock.
+
     Call :meth:`start` on the event loop, and ``await shutdown()`` to withdraw.
     """
 
@@ -117,6 +125,7 @@ class StateSharing:
         max_session_time: float = 1800.0,
         snapshot_reuse_period: float = 5.0,
         copy_state: bool = True,
+        state_lock: contextlib.AbstractContextManager | None = None,
     ):
         if declare_state_period <= 0 or session_idle_timeout <= 0 or max_session_time <= 0:
             raise ValidationError("state sharing periods and timeouts must be positive")
@@ -135,6 +144,7 @@ class StateSharing:
         self.max_session_time = max_session_time
         self.snapshot_reuse_period = snapshot_reuse_period
         self.copy_state = copy_state
+        self.state_lock = state_lock
         self.rpc = StateRPC.for_prefix(prefix)
         self.key = declaration_key(prefix)
         self.stats = SharingStats()
@@ -289,30 +299,42 @@ class StateSharing:
     async def _take_snapshot(self, priority: float) -> _Frozen:
         assert self._loop is not None
         if inspect.iscoroutinefunction(self.get_state):
-            metadata, tensors = await self.get_state()
-            snapshot = await asyncio.to_thread(self._build, metadata, tensors)
+            state = await self.get_state()
+            frozen = await asyncio.to_thread(self._freeze, state)
         else:
-
-            def get_and_build() -> StateSnapshot:
-                state = self.get_state()
-                if inspect.isawaitable(state):
-                    raise ValidationError("get_state returned an awaitable from a plain function")
-                return self._build(*state)
-
-            snapshot = await asyncio.to_thread(get_and_build)
+            frozen = await asyncio.to_thread(self._get_and_freeze)
+        snapshot = await asyncio.to_thread(
+            StateSnapshot.from_frozen, *frozen, self.chunk_size_bytes
+        )
         self._snapshot = _Frozen(self._loop.time(), priority, snapshot)
         self.stats.snapshots_taken += 1
         return self._snapshot
 
-    def _build(self, metadata: Any, tensors: Any) -> StateSnapshot:
+    def _get_and_freeze(self) -> tuple[bytes, list[torch.Tensor]]:
+        with self.state_lock or contextlib.nullcontext():
+            state = self.get_state()
+            if inspect.isawaitable(state):
+                raise ValidationError("get_state returned an awaitable from a plain function")
+            return self._freeze_locked(state)
+
+    def _freeze(self, state: Any) -> tuple[bytes, list[torch.Tensor]]:
+        with self.state_lock or contextlib.nullcontext():
+            return self._freeze_locked(state)
+
+    def _freeze_locked(self, state: Any) -> tuple[bytes, list[torch.Tensor]]:
+        """Copy the state (the caller holds ``state_lock``); hashing happens later,
+        outside the lock."""
+        if not isinstance(state, list | tuple) or len(state) != 2:
+            raise ValidationError(
+                f"get_state must return (metadata, tensors), got {type(state).__name__}"
+            )
+        metadata, tensors = state
         if not isinstance(tensors, list | tuple):
             raise ValidationError(
                 f"get_state must return (metadata, tensors), got tensors of type "
                 f"{type(tensors).__name__}"
             )
-        return StateSnapshot.build(
-            metadata, list(tensors), self.chunk_size_bytes, copy=self.copy_state
-        )
+        return freeze_state(metadata, list(tensors), copy=self.copy_state)
 
     # ------------------------------------------------------------------ handlers
 
