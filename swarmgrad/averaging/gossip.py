@@ -316,7 +316,9 @@ class AsyncGossipAverager:
                 timeout=self.request_timeout,
             )
             remote, samples, loss = self._check_answer(peer_id, answer)
-        except (SwarmgradError, OSError, ValueError) as e:
+        except Exception as e:  # whatever the peer did, it must not break our step
+            if not isinstance(e, SwarmgradError | OSError | ValueError):
+                logger.warning("unexpected error pulling from %s", peer_id, exc_info=True)
             elapsed = loop.time() - started
             self.scoreboard.record_failure(peer_id, max(elapsed, self.request_timeout / 2))
             failures.append(f"{peer_id}: {e}")

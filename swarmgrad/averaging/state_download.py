@@ -258,10 +258,15 @@ class StateDownloader:
             task.add_done_callback(self._on_opened)
 
     def _on_opened(self, task: asyncio.Task) -> None:
-        self._opening.pop(task, None)
+        record = self._opening.pop(task, None)
         if task.cancelled():
             return
-        session = task.result()  # _open_session handles its errors and returns None
+        try:
+            session = task.result()  # _open_session returns None for the errors it expects
+        except Exception as e:  # a bug or an answer nobody anticipated: skip that donor
+            donor = record.peer_id if record is not None else "a donor"
+            logger.warning("could not open a session with %s: %r", donor, e)
+            session = None
         round_ = self._round
         if session is None:
             self._fill()
@@ -395,18 +400,22 @@ class StateDownloader:
         loop = asyncio.get_running_loop()
         donor = session.peer_id
         scheduler = round_.scheduler
-        while session.alive and not scheduler.complete:
-            steal_after = self._steal_after(round_)
-            chunk = scheduler.take(donor, loop.time(), steal_after)
-            if chunk is None:
-                if not scheduler.has_work(donor):
-                    return
-                changed = round_.changed
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(steal_after / 2):
-                        await changed.wait()
-                continue
-            await self._fetch_chunk(round_, session, chunk)
+        try:
+            while session.alive and not scheduler.complete:
+                steal_after = self._steal_after(round_)
+                chunk = scheduler.take(donor, loop.time(), steal_after)
+                if chunk is None:
+                    if not scheduler.has_work(donor):
+                        return
+                    changed = round_.changed
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(steal_after / 2):
+                            await changed.wait()
+                    continue
+                await self._fetch_chunk(round_, session, chunk)
+        except Exception as e:  # never leave the round waiting on a worker that died
+            logger.exception("state download worker for %s failed", donor)
+            self._drop(round_, session, f"internal error: {e!r}")
 
     async def _fetch_chunk(self, round_: _Round, session: _Session, chunk: int) -> None:
         loop = asyncio.get_running_loop()
