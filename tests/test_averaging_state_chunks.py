@@ -229,6 +229,53 @@ def test_scheduler_respects_which_chunks_a_donor_holds():
     assert [scheduler.take("full", 0, 1) for _ in range(5)] == [0, 1, 2, 3, None]
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    num_chunks=st.integers(0, 30),
+    partial=st.lists(st.sets(st.integers(0, 29)), max_size=3),
+    seed=st.integers(0, 10_000),
+)
+def test_scheduler_delivers_every_chunk_once_under_random_failures(num_chunks, partial, seed):
+    """Donors (one holding everything, some holding subsets) take chunks, fail some and
+    deliver others in random order, some donors leave: every chunk is delivered exactly
+    once, only by a donor that holds it, and never while that donor already fetches it."""
+    rng = random.Random(seed)
+    scheduler = ChunkScheduler(range(num_chunks))
+    holdings = {"full": None, **{f"p{i}": {c for c in s if c < num_chunks} for i, s in
+                                 enumerate(partial)}}  # fmt: skip
+    for donor, chunks in holdings.items():
+        scheduler.add_donor(donor, chunks)
+    fetching: dict[str, set[int]] = {d: set() for d in holdings}
+    delivered: list[int] = []
+    now = 0.0
+    for _ in range(2000):
+        if scheduler.complete:
+            break
+        now += rng.random()
+        donor = rng.choice(scheduler.donors)
+        chunk = scheduler.take(donor, now, steal_after=2.0)
+        if chunk is not None:
+            assert holdings[donor] is None or chunk in holdings[donor]
+            assert chunk not in fetching[donor] and chunk not in delivered
+            fetching[donor].add(chunk)
+        busy = [(d, c) for d, cs in fetching.items() for c in cs]
+        if busy and rng.random() < 0.6:
+            donor, chunk = rng.choice(busy)
+            fetching[donor].discard(chunk)
+            if rng.random() < 0.3:
+                scheduler.fail(chunk, donor)
+            elif chunk not in delivered:
+                delivered.append(chunk)
+                for other in scheduler.finish(chunk, donor):
+                    fetching[other].discard(chunk)
+        if rng.random() < 0.02 and len(scheduler.donors) > 1:
+            leaving = rng.choice([d for d in scheduler.donors if d != "full"])
+            scheduler.remove_donor(leaving)
+            fetching[leaving].clear()
+    assert scheduler.complete and sorted(delivered) == list(range(num_chunks))
+    assert scheduler.unobtainable() == []
+
+
 # ---------------------------------------------------------------------- declarations
 
 
