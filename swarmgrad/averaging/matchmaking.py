@@ -1,0 +1,603 @@
+"""Matchmaking: peers that share a group key form groups, with no coordinator.
+
+Every peer that looks for a group declares itself under its group key with a time
+``ready_by`` (see :mod:`swarmgrad.averaging.key_manager`) and is a potential leader until
+then. Potential leaders are totally ordered by ``(ready_by, peer_id)``. A peer asks the
+potential leaders that come *before* it in that order, earliest first, to let it join
+(``averaging.join_group``, a streaming RPC); a leader accepts only peers that come after
+it. Join requests therefore only ever point down a total order: no two peers can wait for
+each other, so there is no deadlock, whatever the timing.
+
+A leader collects followers until its group has ``target_group_size`` members or its
+``ready_by`` arrives. Then, if the group has at least ``min_group_size`` members, it
+sends every follower the same :class:`~swarmgrad.averaging.group_info.GroupInfo` (a fresh
+random group id, the member order, every member's gathered bytes) over the follower's
+open stream; otherwise it disbands the group, and everyone looks again under a new
+declaration, until their timeout.
+
+A peer is a leader or a follower, never both at once: while it waits for a leader's
+answer, it may still accept followers, but the moment a leader accepts it, it hands its own
+followers over (they are told to try its leader next) and refuses new ones. Client-mode
+peers never lead; they only join others' groups.
+
+Failures: a follower whose leader dies (the stream breaks, or the group does not begin
+shortly after the leader's ``ready_by``) goes on to other leaders; a follower that
+vanishes before its group begins is dropped by the leader (its stream breaks). Every wait
+has a deadline derived from ``timeout``, ``request_timeout`` and the leaders' declared
+times; a peer's bad request is answered with a rejection naming the problem, never raised
+locally.
+
+Several averagers of one process share the peer's single ``averaging.join_group``
+handler, which routes requests by ``prefix``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import math
+import random
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarmgrad.averaging.group_info import GroupInfo
+from swarmgrad.averaging.key_manager import MAX_MADDRS, Declaration, GroupKeyManager
+from swarmgrad.dht.node import DHTNode
+from swarmgrad.net.identity import PeerID
+from swarmgrad.net.multiaddr import Multiaddr
+from swarmgrad.net.peer import Peer
+from swarmgrad.net.rpc import RPCContext
+from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
+
+__all__ = ["JOIN_GROUP", "Matchmaking", "Rejection"]
+
+logger = logging.getLogger(__name__)
+
+JOIN_GROUP = "averaging.join_group"
+PROTOCOL_VERSION = 1
+MAX_GROUP_ID_BYTES = 64
+
+
+class Rejection(enum.StrEnum):
+    """Why a potential leader refused a join request (sent as the value)."""
+
+    BAD_REQUEST = "bad_request"
+    UNKNOWN_PREFIX = "unknown_prefix"
+    NOT_LOOKING = "not_looking"
+    NOT_A_LEADER = "not_a_leader"
+    BAD_GROUP_KEY = "bad_group_key"
+    BAD_ORDER = "bad_order"
+    GROUP_FULL = "group_full"
+    TOO_LATE = "too_late"
+    DUPLICATE_PEER_ID = "duplicate_peer_id"
+
+
+# ---------------------------------------------------------------------- routing by prefix
+
+
+class _JoinRouter:
+    """The one ``averaging.join_group`` handler of a peer, dispatching by prefix."""
+
+    def __init__(self) -> None:
+        self.by_prefix: dict[str, Matchmaking] = {}
+
+    async def handle(self, request: Any, context: RPCContext) -> AsyncIterator[dict]:
+        prefix = request.get("prefix") if isinstance(request, dict) else None
+        matchmaking = self.by_prefix.get(prefix) if isinstance(prefix, str) else None
+        if matchmaking is None:
+            yield _rejected(Rejection.UNKNOWN_PREFIX, f"no averager with prefix {prefix!r:.80}")
+            return
+        async for message in matchmaking._serve_join(request, context):
+            yield message
+
+
+_routers: weakref.WeakKeyDictionary[Peer, _JoinRouter] = weakref.WeakKeyDictionary()
+
+
+def _attach(peer: Peer, prefix: str, matchmaking: Matchmaking) -> None:
+    router = _routers.get(peer)
+    if router is None:
+        router = _JoinRouter()
+        peer.add_handler(JOIN_GROUP, router.handle, stream_output=True)
+        _routers[peer] = router
+    if prefix in router.by_prefix:
+        raise ValidationError(f"peer {peer.peer_id} already runs matchmaking for prefix {prefix!r}")
+    router.by_prefix[prefix] = matchmaking
+
+
+def _detach(peer: Peer, prefix: str, matchmaking: Matchmaking) -> None:
+    router = _routers.get(peer)
+    if router is None or router.by_prefix.get(prefix) is not matchmaking:
+        return
+    del router.by_prefix[prefix]
+    if not router.by_prefix:
+        peer.remove_handler(JOIN_GROUP)
+        del _routers[peer]
+
+
+# ---------------------------------------------------------------------- wire messages
+
+
+def _rejected(
+    reason: Rejection, message: str, suggested: PeerID | None = None, maddrs: tuple = ()
+) -> dict:
+    return {
+        "code": "rejected",
+        "reason": reason.value,
+        "message": message,
+        "suggested_leader": suggested.to_bytes() if suggested else None,
+        "suggested_maddrs": list(maddrs),
+    }
+
+
+def _disbanded(message: str, suggested: PeerID | None = None, maddrs: tuple = ()) -> dict:
+    return {
+        "code": "disbanded",
+        "message": message,
+        "suggested_leader": suggested.to_bytes() if suggested else None,
+        "suggested_maddrs": list(maddrs),
+    }
+
+
+def _parse_group(message: dict, me: PeerID, leader: PeerID, my_gather: bytes) -> GroupInfo:
+    """A leader's ``begin`` message as a GroupInfo, checked against what we sent."""
+    group_id, raw_ids, gathered = (message.get(k) for k in ("group_id", "peer_ids", "gathered"))
+    if not isinstance(group_id, bytes) or not 0 < len(group_id) <= MAX_GROUP_ID_BYTES:
+        raise ProtocolViolation(f"leader {leader} sent a malformed group id {group_id!r:.40}")
+    if not isinstance(raw_ids, list) or not all(isinstance(p, bytes) for p in raw_ids):
+        raise ProtocolViolation(f"leader {leader} sent malformed peer ids")
+    if not isinstance(gathered, list) or not all(isinstance(g, bytes) for g in gathered):
+        raise ProtocolViolation(f"leader {leader} sent malformed gathered data")
+    info = GroupInfo(group_id, tuple(PeerID(p) for p in raw_ids), tuple(gathered))
+    if me not in info.peer_ids or leader not in info.peer_ids:
+        raise ProtocolViolation(
+            f"leader {leader} sent group {group_id.hex()[:12]} that lacks "
+            f"{'us' if me not in info.peer_ids else 'the leader itself'}"
+        )
+    if info.gathered[info.peer_ids.index(me)] != my_gather:
+        raise ProtocolViolation(f"leader {leader} altered our gathered data")
+    return info
+
+
+# ---------------------------------------------------------------------- search state
+
+
+@dataclass
+class _Follower:
+    peer_id: PeerID
+    gather: bytes
+    outcome: asyncio.Future  # the message to send: "begin" or "disbanded"
+
+
+@dataclass
+class _Search:
+    """One call of look_for_group: our declaration and our role in it."""
+
+    key: str
+    data: bytes
+    deadline: float  # loop time
+    ready_by: float = -math.inf  # DHT time of our current declaration
+    followers: dict[PeerID, _Follower] = field(default_factory=dict)
+    leader: PeerID | None = None  # a leader that accepted us: we follow it
+    assembled: bool = False
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Matchmaking:
+    """Forms groups under this peer's group key; see the module docstring.
+
+    ``await look_for_group(data_for_gather=..., timeout=...)`` returns the GroupInfo of a
+    group of ``min_group_size`` to ``target_group_size`` peers (and moves this peer's group
+    bits to the next Moshpit axis), or None if no group formed within ``timeout``.
+    ``min_matchmaking_time`` is how long a leader waits for followers when its group does
+    not fill up; ``request_timeout`` bounds each answer from another peer.
+    """
+
+    def __init__(
+        self,
+        peer: Peer,
+        dht_node: DHTNode,
+        *,
+        prefix: str,
+        target_group_size: int,
+        min_group_size: int = 2,
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        client_mode: bool = False,
+        initial_group_bits: str = "",
+        max_gather_bytes: int = 1 << 20,
+        rotate_group_bits: bool = True,
+        rng: random.Random | None = None,
+    ):
+        if not isinstance(target_group_size, int) or target_group_size < 2:
+            raise ValidationError(f"target_group_size must be an int >= 2, got {target_group_size}")
+        if not isinstance(min_group_size, int) or not 1 <= min_group_size <= target_group_size:
+            raise ValidationError(
+                f"min_group_size must be an int in [1, target_group_size={target_group_size}], "
+                f"got {min_group_size!r}"
+            )
+        for name, value in (
+            ("min_matchmaking_time", min_matchmaking_time),
+            ("request_timeout", request_timeout),
+        ):
+            if not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.peer, self.dht_node = peer, dht_node
+        self.prefix = prefix
+        self.target_group_size, self.min_group_size = target_group_size, min_group_size
+        self.min_matchmaking_time = float(min_matchmaking_time)
+        self.request_timeout = float(request_timeout)
+        self.client_mode = bool(client_mode)
+        self.max_gather_bytes = max_gather_bytes
+        self.key_manager = GroupKeyManager(
+            dht_node,
+            prefix,
+            initial_group_bits=initial_group_bits,
+            target_group_size=target_group_size,
+            rotate=rotate_group_bits,
+        )
+        self._rng = rng or random.Random()
+        self._maddrs_of: dict[PeerID, tuple[str, ...]] = {}  # leaders' declared addresses
+        self._search: _Search | None = None
+        self._closed = False
+        _attach(peer, prefix, self)
+
+    # ------------------------------------------------------------------ public API
+
+    def get_group_bits(self) -> str:
+        return self.key_manager.group_bits
+
+    def set_group_bits(self, group_bits: str) -> None:
+        self.key_manager.group_bits = group_bits
+
+    @property
+    def is_looking_for_group(self) -> bool:
+        return self._search is not None
+
+    async def look_for_group(
+        self,
+        *,
+        data_for_gather: bytes = b"",
+        timeout: float,
+        scheduled_time: float | None = None,
+    ) -> GroupInfo | None:
+        """Find a group under the current group key within ``timeout`` seconds.
+
+        ``data_for_gather`` reaches every member in ``GroupInfo.gathered``.
+        ``scheduled_time`` (DHT time) is when this peer, as a leader, starts its group;
+        default: ``min_matchmaking_time`` from now. On success the group bits move to the
+        next Moshpit axis before the GroupInfo is returned."""
+        if self._closed:
+            raise SwarmgradError(f"matchmaking for {self.prefix!r} is shut down")
+        if self._search is not None:
+            raise SwarmgradError(f"{self.peer.peer_id} is already looking for a group")
+        if not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            raise ValidationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(data_for_gather, bytes | bytearray | memoryview):
+            raise ValidationError(
+                f"data_for_gather must be bytes, got {type(data_for_gather).__name__}"
+            )
+        data = bytes(data_for_gather)
+        if len(data) > self.max_gather_bytes:
+            raise ValidationError(
+                f"data_for_gather is {len(data)} bytes, over the limit of {self.max_gather_bytes}"
+            )
+        loop = asyncio.get_running_loop()
+        search = _Search(self.key_manager.current_key, data, loop.time() + timeout)
+        self._search = search
+        try:
+            group = await self._run(search, scheduled_time)
+        finally:
+            self._search = None
+            self._maddrs_of.clear()
+            self._release_followers(search, _disbanded("the leader stopped looking for a group"))
+        if group is not None:
+            old_bits = self.key_manager.group_bits
+            new_bits = self.key_manager.update_group_bits(group, self.peer.peer_id)
+            logger.debug(
+                "%s: group %s of %d under %s; group bits %r -> %r",
+                self.peer.peer_id,
+                group.group_id.hex()[:12],
+                group.group_size,
+                search.key,
+                old_bits,
+                new_bits,
+            )
+        return group
+
+    async def shutdown(self) -> None:
+        """Stop answering join requests; a running look_for_group returns None soon."""
+        self._closed = True
+        _detach(self.peer, self.prefix, self)
+        if self._search is not None:
+            self._search.wakeup.set()
+
+    # ------------------------------------------------------------------ the search loop
+
+    def _dht_time(self) -> float:
+        return self.dht_node.time_fn()
+
+    def _local_time_of(self, dht_time: float) -> float:
+        return asyncio.get_running_loop().time() + (dht_time - self._dht_time())
+
+    def _time_to_begin(self, s: _Search) -> bool:
+        if self.client_mode:
+            return False
+        full = len(s.followers) + 1 >= self.target_group_size
+        return full or self._dht_time() >= s.ready_by
+
+    async def _run(self, s: _Search, scheduled_time: float | None) -> GroupInfo | None:
+        loop = asyncio.get_running_loop()
+        queue: list[PeerID] = []  # leaders to try next, best first
+        known: dict[PeerID, Declaration] = {}
+        tried: set[tuple[PeerID, float | None]] = set()
+        next_refresh = -math.inf
+        refresh_period = max(0.05, min(self.request_timeout, self.min_matchmaking_time / 4))
+        while not self._closed and loop.time() < s.deadline:
+            if s.ready_by > -math.inf and self._time_to_begin(s):
+                group = self._begin(s)
+                if group is not None:
+                    return group
+                s.ready_by = -math.inf  # too small or alone: declare again
+            if self._dht_time() >= s.ready_by:
+                remaining = s.deadline - loop.time()
+                if scheduled_time is not None and scheduled_time > self._dht_time():
+                    s.ready_by = min(scheduled_time, self._dht_time() + remaining)
+                    scheduled_time = None
+                else:
+                    s.ready_by = self._dht_time() + min(self.min_matchmaking_time, remaining)
+                tried.clear()
+                maddrs = () if self.client_mode else map(str, self.peer.get_visible_maddrs())
+                declare = self.key_manager.declare(
+                    s.ready_by, client_mode=self.client_mode, maddrs=maddrs, key=s.key
+                )
+                await self._bounded(declare, s)
+                next_refresh = -math.inf
+            if loop.time() >= next_refresh:
+                declarations = await self._bounded(self.key_manager.get_declarations(s.key), s)
+                next_refresh = loop.time() + refresh_period
+                if declarations is not None:
+                    known = {d.peer_id: d for d in declarations}
+                    for d in declarations:
+                        self._learn_maddrs(d.peer_id, d.maddrs)
+                    queue = [d.peer_id for d in declarations if self._may_follow(s, d)]
+            leader = None
+            while queue and leader is None:
+                candidate = queue.pop(0)
+                declared = known.get(candidate)
+                attempt = (candidate, declared.ready_by if declared else None)
+                if attempt not in tried and (declared is None or self._may_follow(s, declared)):
+                    tried.add(attempt)
+                    leader = candidate
+            if leader is not None and not self._time_to_begin(s):
+                if not self.client_mode and len(s.followers) + 1 >= self.target_group_size:
+                    continue  # full: begin first
+                outcome = await self._try_leader(s, leader)
+                if isinstance(outcome, GroupInfo):
+                    return outcome
+                if isinstance(outcome, PeerID) and outcome != self.peer.peer_id:
+                    queue.insert(0, outcome)  # a suggested leader: try it next
+                continue
+            if self._time_to_begin(s):
+                continue
+            wake_at = min(next_refresh, s.deadline, self._local_time_of(s.ready_by))
+            s.wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(max(wake_at, loop.time())):
+                    await s.wakeup.wait()
+        return None
+
+    def _learn_maddrs(self, peer_id: PeerID, maddrs: Any) -> None:
+        """Remember where a potential leader listens (addresses naming another peer and
+        malformed ones are ignored: they come from other peers' records)."""
+        good = []
+        for text in maddrs if isinstance(maddrs, list | tuple) else ():
+            try:
+                address = Multiaddr.parse(text)
+            except (ValidationError, ValueError, TypeError):
+                continue
+            if address.peer_id in (None, peer_id):
+                good.append(text)
+                self.peer.add_addresses(peer_id, [address])
+        if good:
+            self._maddrs_of[peer_id] = tuple(good[:MAX_MADDRS])
+
+    def _take_suggestion(self, message: dict) -> PeerID | None:
+        raw = message.get("suggested_leader")
+        if raw is None:
+            return None
+        if not isinstance(raw, bytes):
+            raise ProtocolViolation(f"suggested_leader is {type(raw).__name__}, not PeerID bytes")
+        suggested = PeerID(raw)
+        self._learn_maddrs(suggested, message.get("suggested_maddrs"))
+        return suggested
+
+    def _may_follow(self, s: _Search, d: Declaration) -> bool:
+        if d.peer_id == self.peer.peer_id or d.client_mode or d.ready_by <= self._dht_time():
+            return False
+        if self.client_mode:
+            return True
+        return (d.ready_by, d.peer_id) < (s.ready_by, self.peer.peer_id)
+
+    async def _bounded(self, coro: Any, s: _Search) -> Any:
+        """A DHT call bounded by request_timeout and the search deadline; None on failure."""
+        loop = asyncio.get_running_loop()
+        limit = min(s.deadline, loop.time() + 2 * self.request_timeout)
+        try:
+            async with asyncio.timeout_at(limit):
+                return await coro
+        except (TimeoutError, SwarmgradError, OSError) as e:
+            logger.debug("%s: DHT call for %s failed: %r", self.peer.peer_id, s.key, e)
+            return None
+
+    def _begin(self, s: _Search) -> GroupInfo | None:
+        """Our time has come (or the group is full): assemble it, or disband if too small.
+        Synchronous, so nothing can join or leave halfway through."""
+        if len(s.followers) + 1 < self.min_group_size:
+            if s.followers:
+                logger.debug(
+                    "%s: disbanding a group of %d (< min_group_size=%d)",
+                    self.peer.peer_id,
+                    len(s.followers) + 1,
+                    self.min_group_size,
+                )
+            self._release_followers(
+                s, _disbanded(f"the group was smaller than min_group_size={self.min_group_size}")
+            )
+            return None
+        members = [(self.peer.peer_id, s.data)]
+        members += [(f.peer_id, f.gather) for f in s.followers.values()]
+        self._rng.shuffle(members)
+        group_id = self._rng.randbytes(20)
+        info = GroupInfo(group_id, tuple(p for p, _ in members), tuple(g for _, g in members))
+        message = {
+            "code": "begin",
+            "group_id": group_id,
+            "peer_ids": [p.to_bytes() for p in info.peer_ids],
+            "gathered": list(info.gathered),
+        }
+        s.assembled = True
+        self._release_followers(s, message)
+        return info
+
+    def _release_followers(self, s: _Search, message: dict) -> None:
+        for follower in s.followers.values():
+            if not follower.outcome.done():
+                follower.outcome.set_result(message)
+        s.followers.clear()
+
+    # ------------------------------------------------------------------ follower side
+
+    async def _try_leader(self, s: _Search, leader: PeerID) -> GroupInfo | PeerID | None:
+        """Ask ``leader`` to take us; a GroupInfo if its group began with us, a PeerID to
+        try next if it suggested one, None otherwise."""
+        loop = asyncio.get_running_loop()
+        request = {
+            "v": PROTOCOL_VERSION,
+            "prefix": self.prefix,
+            "group_key": s.key,
+            "ready_by": s.ready_by,
+            "client_mode": self.client_mode,
+            "gather": s.data,
+        }
+        total = max(s.deadline - loop.time(), 0.0) + self.request_timeout
+        responses = self.peer.iterate(leader, JOIN_GROUP, request, timeout=total)
+        try:
+            async with asyncio.timeout(min(self.request_timeout, total)):
+                first = await anext(responses)
+            if not isinstance(first, dict):
+                raise ProtocolViolation(f"{leader} answered a join request with {first!r:.60}")
+            if first.get("code") == "rejected":
+                logger.debug("%s: %s refused: %s", self.peer.peer_id, leader, first.get("message"))
+                return self._take_suggestion(first)
+            leader_ready_by = first.get("ready_by")
+            if first.get("code") != "accepted" or not isinstance(leader_ready_by, int | float):
+                raise ProtocolViolation(f"{leader} sent {first!r:.80} instead of an answer")
+            s.leader = leader
+            # We follow now: our own followers go to our leader instead.
+            self._release_followers(
+                s,
+                _disbanded(f"{self.peer.peer_id} follows", leader, self._maddrs_of.get(leader, ())),
+            )
+            wait_until = self._local_time_of(float(leader_ready_by)) + 2 * self.request_timeout
+            async with asyncio.timeout_at(min(wait_until, s.deadline)):
+                second = await anext(responses)
+            if not isinstance(second, dict):
+                raise ProtocolViolation(f"{leader} sent {second!r:.60} instead of the group")
+            if second.get("code") == "begin":
+                return _parse_group(second, self.peer.peer_id, leader, s.data)
+            if second.get("code") == "disbanded":
+                logger.debug("%s: %s disbanded: %s", self.peer.peer_id, leader, second["message"])
+                return self._take_suggestion(second)
+            raise ProtocolViolation(f"{leader} sent {second!r:.80} instead of the group")
+        except (TimeoutError, StopAsyncIteration, SwarmgradError, OSError) as e:
+            logger.debug("%s: joining %s failed: %r", self.peer.peer_id, leader, e)
+            return None
+        finally:
+            s.leader = None
+            await responses.aclose()
+
+    # ------------------------------------------------------------------ leader side
+
+    def _check_join(self, s: _Search | None, request: Any, remote: PeerID) -> dict | None:
+        """None if we accept ``remote`` into our group, else the rejection to send."""
+        if not isinstance(request, dict):
+            return _rejected(Rejection.BAD_REQUEST, "a join request must be a map")
+        key, ready_by = request.get("group_key"), request.get("ready_by")
+        gather, client = request.get("gather"), request.get("client_mode")
+        if (
+            not isinstance(key, str)
+            or isinstance(ready_by, bool)
+            or not isinstance(ready_by, int | float)
+            or not isinstance(gather, bytes)
+            or not isinstance(client, bool)
+        ):
+            return _rejected(
+                Rejection.BAD_REQUEST,
+                "a join request needs group_key (str), ready_by (number), gather (bytes) and "
+                "client_mode (bool)",
+            )
+        if len(gather) > self.max_gather_bytes:
+            return _rejected(
+                Rejection.BAD_REQUEST,
+                f"gathered data of {len(gather)} bytes exceeds {self.max_gather_bytes}",
+            )
+        if s is None or self._closed or s.assembled:
+            return _rejected(Rejection.NOT_LOOKING, f"{self.peer.peer_id} is not looking")
+        if self.client_mode:
+            return _rejected(Rejection.NOT_A_LEADER, "a client-mode peer never leads a group")
+        if s.leader is not None:
+            return _rejected(
+                Rejection.NOT_A_LEADER,
+                f"{self.peer.peer_id} follows {s.leader}",
+                s.leader,
+                self._maddrs_of.get(s.leader, ()),
+            )
+        if key != s.key:
+            return _rejected(
+                Rejection.BAD_GROUP_KEY, f"we look for a group under {s.key!r}, not {key!r:.80}"
+            )
+        if remote in s.followers:
+            return _rejected(Rejection.DUPLICATE_PEER_ID, f"{remote} is already in this group")
+        if not client and (ready_by, remote) <= (s.ready_by, self.peer.peer_id):
+            return _rejected(
+                Rejection.BAD_ORDER,
+                f"ready_by {ready_by} is not after ours ({s.ready_by}): followers must come "
+                "after their leader",
+            )
+        if len(s.followers) + 1 >= self.target_group_size:
+            return _rejected(Rejection.GROUP_FULL, f"the group is full ({self.target_group_size})")
+        if self._dht_time() >= s.ready_by:
+            return _rejected(Rejection.TOO_LATE, "the group is about to begin")
+        return None
+
+    async def _serve_join(self, request: Any, context: RPCContext) -> AsyncIterator[dict]:
+        s = self._search
+        remote = context.remote_id
+        rejection = self._check_join(s, request, remote)
+        if rejection is not None:
+            yield rejection
+            return
+        assert s is not None
+        follower = _Follower(remote, request["gather"], asyncio.get_running_loop().create_future())
+        s.followers[remote] = follower
+        if len(s.followers) + 1 >= self.target_group_size:
+            s.wakeup.set()
+        try:
+            yield {"code": "accepted", "ready_by": s.ready_by}
+            # The search loop resolves the outcome by our ready_by (it may be held up by
+            # one pending request of its own); past that, something is wrong: let go.
+            limit = self._local_time_of(s.ready_by) + 2 * self.request_timeout
+            try:
+                async with asyncio.timeout_at(limit):
+                    outcome = await asyncio.shield(follower.outcome)
+            except TimeoutError:
+                outcome = _disbanded("the leader did not begin in time")
+            yield outcome
+        finally:
+            if s.followers.get(remote) is follower:  # the follower left before the group began
+                del s.followers[remote]

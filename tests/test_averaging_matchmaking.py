@@ -1,0 +1,356 @@
+"""Matchmaking on the simulated network: groups form, agree, survive crashes, refuse junk."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+
+from swarmgrad.averaging.matchmaking import JOIN_GROUP, Matchmaking, Rejection
+from swarmgrad.averaging.moshpit_sim import build_dht_swarm
+from swarmgrad.net.sim import run_simulation
+from swarmgrad.utils.errors import SwarmgradError, ValidationError
+
+
+async def make_swarm(network, num_peers, *, seed=0, bits=None, client=(), **kwargs):
+    kwargs.setdefault("prefix", "avg")
+    kwargs.setdefault("target_group_size", 4)
+    kwargs.setdefault("min_matchmaking_time", 3.0)
+    kwargs.setdefault("request_timeout", 1.0)
+    rng = random.Random(seed)
+    nodes = await build_dht_swarm(network, num_peers, rng)
+    matchmakers = [
+        Matchmaking(
+            node.peer,
+            node,
+            client_mode=i in client,
+            initial_group_bits=bits[i] if bits else "",
+            rng=random.Random(rng.getrandbits(64)),
+            **kwargs,
+        )
+        for i, node in enumerate(nodes)
+    ]
+    return nodes, matchmakers
+
+
+async def stop(nodes, matchmakers):
+    for m in matchmakers:
+        await m.shutdown()
+    for node in nodes:
+        await node.shutdown()
+        await node.peer.shutdown()
+
+
+def check_consistent(results, matchmakers, data):
+    """Every member of a group got the identical GroupInfo; nobody is in two groups."""
+    by_id = {m.peer.peer_id: i for i, m in enumerate(matchmakers)}
+    groups = {}
+    for i, info in enumerate(results):
+        if info is None:
+            continue
+        assert matchmakers[i].peer.peer_id in info.peer_ids
+        groups.setdefault(info.group_id, []).append((i, info))
+    membership = Counter()
+    for members in groups.values():
+        infos = {info for _, info in members}
+        assert len(infos) == 1, "members of one group got different GroupInfos"
+        (info,) = infos
+        assert sorted(i for i, _ in members) == sorted(by_id[p] for p in info.peer_ids)
+        assert list(info.gathered) == [data[by_id[p]] for p in info.peer_ids]
+        membership.update(info.peer_ids)
+    assert all(count == 1 for count in membership.values())
+    return [info for (_, info), *_ in groups.values()]
+
+
+def test_a_swarm_forms_groups_of_target_size_with_identical_group_info():
+    async def main(network):
+        rng = random.Random(7)
+        bits = [rng.choice(["010", "111"]) for _ in range(40)]
+        nodes, mms = await make_swarm(network, 40, seed=7, bits=bits, target_group_size=8)
+        data = [f"peer {i}".encode() for i in range(40)]
+        results = await asyncio.gather(
+            *(
+                m.look_for_group(data_for_gather=d, timeout=20)
+                for m, d in zip(mms, data, strict=True)
+            )
+        )
+        new_bits = [m.get_group_bits() for m in mms]
+        await stop(nodes, mms)
+        return bits, results, mms, data, new_bits
+
+    bits, results, mms, data, new_bits = run_simulation(main, seed=7, latency=0.02)
+    assert all(r is not None for r in results)
+    groups = check_consistent(results, mms, data)
+    index = {m.peer.peer_id: i for i, m in enumerate(mms)}
+    for info in groups:
+        assert 2 <= info.group_size <= 8
+        assert len({bits[index[p]] for p in info.peer_ids}) == 1  # one key per group
+        assert len({new_bits[index[p]] for p in info.peer_ids}) == info.group_size
+    # each key holds about 20 peers: groups of 8 fill up, and few stragglers remain
+    assert sum(info.group_size == 8 for info in groups) >= 4
+
+
+def test_client_mode_peers_join_but_never_lead():
+    async def main(network):
+        nodes, mms = await make_swarm(network, 10, seed=3, client=range(2, 10))
+        accepted = Counter()
+        for m in mms:
+            original = m._serve_join
+
+            async def counting(request, context, m=m, original=original):
+                async for message in original(request, context):
+                    if message.get("code") == "accepted":
+                        accepted[m.peer.peer_id] += 1
+                    yield message
+
+            m._serve_join = counting
+        data = [bytes([i]) for i in range(10)]
+        results = await asyncio.gather(
+            *(
+                m.look_for_group(data_for_gather=d, timeout=20)
+                for m, d in zip(mms, data, strict=True)
+            )
+        )
+        await stop(nodes, mms)
+        return results, mms, data, accepted
+
+    results, mms, data, accepted = run_simulation(main, seed=3, latency=0.02)
+    groups = check_consistent(results, mms, data)
+    leaders = {mms[0].peer.peer_id, mms[1].peer.peer_id}
+    assert set(accepted) <= leaders
+    assert all(leaders & set(info.peer_ids) for info in groups)
+    assert sum(r is not None for r in results) >= 8
+
+
+def test_client_mode_peers_alone_find_no_group():
+    async def main(network):
+        nodes, mms = await make_swarm(network, 4, seed=4, client=range(4))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        results = await asyncio.gather(*(m.look_for_group(timeout=10) for m in mms))
+        elapsed = loop.time() - started
+        await stop(nodes, mms)
+        return results, elapsed
+
+    results, elapsed = run_simulation(main, seed=4, latency=0.02)
+    assert results == [None] * 4
+    assert 10 <= elapsed < 13
+
+
+def test_followers_of_a_crashed_leader_find_another_group():
+    async def main(network):
+        nodes, mms = await make_swarm(
+            network, 6, seed=5, target_group_size=8, min_matchmaking_time=5.0
+        )
+        tasks = [
+            asyncio.create_task(m.look_for_group(data_for_gather=bytes([i]), timeout=30))
+            for i, m in enumerate(mms)
+        ]
+        await asyncio.sleep(2.0)  # everyone has joined the earliest leader, which waits
+        leaders = [i for i, m in enumerate(mms) if m._search and m._search.followers]
+        assert len(leaders) == 1 and len(mms[leaders[0]]._search.followers) == 5
+        dead = leaders[0]
+        network.crash(nodes[dead].peer._backend.host)
+        tasks[dead].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await stop(nodes, mms)
+        return dead, results, [m.peer.peer_id for m in mms]
+
+    dead, results, ids = run_simulation(main, seed=5, latency=0.02)
+    assert isinstance(results[dead], asyncio.CancelledError)
+    survivors = [r for i, r in enumerate(results) if i != dead]
+    assert all(r is not None for r in survivors)
+    assert len({r.group_id for r in survivors}) == 1
+    assert set(survivors[0].peer_ids) == set(ids) - {ids[dead]}
+
+
+@pytest.mark.parametrize("how", ["cancel", "crash"])
+def test_a_leader_drops_a_follower_that_vanishes_before_the_group_begins(how):
+    async def main(network):
+        nodes, mms = await make_swarm(
+            network, 3, seed=6, target_group_size=8, min_matchmaking_time=5.0
+        )
+        tasks = [asyncio.create_task(m.look_for_group(timeout=30)) for m in mms]
+        await asyncio.sleep(2.0)
+        (leader,) = [i for i, m in enumerate(mms) if m._search and m._search.followers]
+        gone = next(i for i in range(3) if i != leader)
+        if how == "crash":
+            network.crash(nodes[gone].peer._backend.host)
+        tasks[gone].cancel()
+        await asyncio.gather(tasks[gone], return_exceptions=True)
+        results = [await t for i, t in enumerate(tasks) if i != gone]
+        await stop(nodes, mms)
+        return results, {mms[i].peer.peer_id for i in range(3) if i != gone}
+
+    results, survivors = run_simulation(main, seed=6, latency=0.02)
+    assert all(r is not None and set(r.peer_ids) == survivors for r in results)
+    assert results[0] == results[1]
+
+
+def test_groups_below_min_group_size_disband_and_retry_until_enough_peers_come():
+    async def main(network):
+        nodes, mms = await make_swarm(
+            network, 3, seed=8, target_group_size=8, min_group_size=3, min_matchmaking_time=3.0
+        )
+        loop = asyncio.get_running_loop()
+        early = [asyncio.create_task(m.look_for_group(timeout=20)) for m in mms[:2]]
+        await asyncio.sleep(7.0)  # two disbanded rounds of two peers
+        assert not any(t.done() for t in early)
+        late = await mms[2].look_for_group(timeout=20)
+        results = [await t for t in early] + [late]
+        finished = loop.time()
+        lonely = await asyncio.gather(*(m.look_for_group(timeout=8) for m in mms[:2]))
+        await stop(nodes, mms)
+        return results, lonely, finished
+
+    results, lonely, finished = run_simulation(main, seed=8, latency=0.02)
+    assert all(r is not None and r.group_size == 3 for r in results)
+    assert len({r.group_id for r in results}) == 1
+    assert finished < 7.0 + 8.0
+    assert lonely == [None, None]
+
+
+def test_a_peer_with_followers_hands_them_to_the_earlier_leader_it_joins():
+    async def main(network):
+        nodes, mms = await make_swarm(
+            network, 3, seed=9, target_group_size=8, min_matchmaking_time=6.0
+        )
+        first = asyncio.create_task(mms[0].look_for_group(timeout=30))
+        await asyncio.sleep(0.5)
+        second = asyncio.create_task(mms[1].look_for_group(timeout=30))
+        await asyncio.sleep(1.5)
+        assert set(mms[0]._search.followers) == {mms[1].peer.peer_id}
+        # a third peer with an earlier scheduled time: the first one must follow it
+        now = nodes[2].time_fn()
+        third = asyncio.create_task(mms[2].look_for_group(timeout=30, scheduled_time=now + 2.0))
+        results = [await t for t in (first, second, third)]
+        await stop(nodes, mms)
+        return results, {m.peer.peer_id for m in mms}
+
+    results, everyone = run_simulation(main, seed=9, latency=0.02)
+    assert all(r is not None and set(r.peer_ids) == everyone for r in results)
+    assert len(set(results)) == 1
+
+
+def test_join_requests_that_break_the_rules_are_refused_with_a_reason():
+    async def main(network):
+        nodes, mms = await make_swarm(
+            network, 3, seed=10, target_group_size=8, min_matchmaking_time=10.0
+        )
+        leader, asker = mms[0], nodes[2].peer
+        task = asyncio.create_task(leader.look_for_group(timeout=30))
+        await asyncio.sleep(1.0)
+        search = leader._search
+        good = {
+            "v": 1,
+            "prefix": "avg",
+            "group_key": search.key,
+            "ready_by": search.ready_by + 1,
+            "client_mode": False,
+            "gather": b"",
+        }
+
+        async def ask(request):
+            stream = asker.iterate(nodes[0].peer.peer_id, JOIN_GROUP, request, timeout=5)
+            try:
+                return await anext(stream)
+            finally:
+                await stream.aclose()
+
+        answers = {
+            "not a map": await ask([1, 2]),
+            "bad types": await ask({**good, "ready_by": "later"}),
+            "unknown prefix": await ask({**good, "prefix": "other"}),
+            "wrong key": await ask({**good, "group_key": "avg.0b1"}),
+            "earlier": await ask({**good, "ready_by": search.ready_by - 1}),
+            "too much data": await ask({**good, "gather": b"x" * (2 << 20)}),
+        }
+        # an accepted join holds its stream open; a second one from the same peer is refused
+        stream = asker.iterate(nodes[0].peer.peer_id, JOIN_GROUP, good, timeout=20)
+        answers["accepted"] = await anext(stream)
+        answers["duplicate"] = await ask(good)
+        assert list(search.followers) == [asker.peer_id]
+        result = await task
+        answers["group"] = await anext(stream)
+        await stream.aclose()
+        await stop(nodes, mms)
+        return answers, result, {asker.peer_id, nodes[0].peer_id}
+
+    answers, result, members = run_simulation(main, seed=10, latency=0.02)
+    reasons = {k: v.get("reason") for k, v in answers.items()}
+    assert reasons == {
+        "not a map": Rejection.UNKNOWN_PREFIX,
+        "bad types": Rejection.BAD_REQUEST,
+        "unknown prefix": Rejection.UNKNOWN_PREFIX,
+        "wrong key": Rejection.BAD_GROUP_KEY,
+        "earlier": Rejection.BAD_ORDER,
+        "too much data": Rejection.BAD_REQUEST,
+        "accepted": None,
+        "duplicate": Rejection.DUPLICATE_PEER_ID,
+        "group": None,
+    }
+    assert answers["accepted"]["code"] == "accepted"
+    assert "already in this group" in answers["duplicate"]["message"]
+    assert answers["group"]["code"] == "begin"
+    assert set(result.peer_ids) == members and result.group_size == 2
+
+
+def test_two_prefixes_on_one_peer_match_independently_and_a_prefix_is_taken_once():
+    async def main(network):
+        nodes, grads = await make_swarm(network, 4, seed=11, prefix="grads")
+        states = [
+            Matchmaking(n.peer, n, prefix="state", target_group_size=4, min_matchmaking_time=3)
+            for n in nodes
+        ]
+        with pytest.raises(ValidationError, match="already runs matchmaking for prefix 'state'"):
+            Matchmaking(nodes[0].peer, nodes[0], prefix="state", target_group_size=4)
+        results = await asyncio.gather(
+            *(m.look_for_group(data_for_gather=b"g", timeout=10) for m in grads),
+            *(m.look_for_group(data_for_gather=b"s", timeout=10) for m in states),
+        )
+        await stop(nodes, grads + states)
+        return results
+
+    results = run_simulation(main, seed=11, latency=0.02)
+    assert all(r is not None and r.group_size == 4 for r in results)
+    assert len({r.group_id for r in results[:4]}) == 1 and set(results[0].gathered) == {b"g"}
+    assert len({r.group_id for r in results[4:]}) == 1 and set(results[4].gathered) == {b"s"}
+
+
+def test_a_lonely_peer_gives_up_at_its_timeout_and_bad_arguments_are_refused():
+    async def main(network):
+        nodes, mms = await make_swarm(network, 2, seed=12)
+        m = mms[0]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        alone = await m.look_for_group(timeout=7.5)
+        elapsed = loop.time() - started
+        with pytest.raises(ValidationError, match="timeout"):
+            await m.look_for_group(timeout=0)
+        with pytest.raises(ValidationError, match="data_for_gather must be bytes"):
+            await m.look_for_group(data_for_gather="text", timeout=1)
+        with pytest.raises(ValidationError, match="over the limit"):
+            await m.look_for_group(data_for_gather=b"x" * (2 << 20), timeout=1)
+        task = asyncio.create_task(m.look_for_group(timeout=5))
+        await asyncio.sleep(0.1)
+        with pytest.raises(SwarmgradError, match="already looking"):
+            await m.look_for_group(timeout=5)
+        await m.shutdown()
+        stopped = await task
+        with pytest.raises(SwarmgradError, match="shut down"):
+            await m.look_for_group(timeout=5)
+        for kwargs in (
+            {"target_group_size": 1},
+            {"target_group_size": 4, "min_group_size": 5},
+            {"target_group_size": 4, "request_timeout": 0},
+        ):
+            with pytest.raises(ValidationError):
+                Matchmaking(nodes[1].peer, nodes[1], prefix="x", **kwargs)
+        await stop(nodes, mms)
+        return alone, elapsed, stopped
+
+    alone, elapsed, stopped = run_simulation(main, seed=12, latency=0.02)
+    assert alone is None and 7.5 <= elapsed < 8.5
+    assert stopped is None
