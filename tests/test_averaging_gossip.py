@@ -7,6 +7,7 @@ import asyncio
 import logging
 import random
 import statistics
+import time
 
 import pytest
 import torch
@@ -299,11 +300,11 @@ def test_synchronous_facade_over_real_dhts():
     a = GossipAverager(a_tensors, first, prefix=PREFIX, start=True, request_timeout=10)
     b = GossipAverager(b_tensors, second, prefix=PREFIX, start=True, request_timeout=10)
     try:
-        result = None
-        for _ in range(50):  # until the declarations are visible
+        deadline = time.monotonic() + 60
+        result = a.step(timeout=30)
+        while not result.mixed and time.monotonic() < deadline:  # until b's declaration lands
+            time.sleep(0.05)
             result = a.step(timeout=30)
-            if result.mixed:
-                break
         assert result is not None and result.mixed and result.peer == second.peer_id
         with a.get_tensors() as tensors:
             assert torch.allclose(tensors[0], torch.full((3,), 1.0))

@@ -480,6 +480,16 @@ async def start_tcp_nodes(count: int) -> list[DHTNode]:
     return nodes
 
 
+async def wait_declared(node: DHTNode, count: int, timeout: float = 60) -> None:
+    """Until ``count`` donors are visible in the DHT (real peers: no fixed sleep)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            found = await node.get(declaration_key(PREFIX), latest=True)
+            if len(parse_declarations(found)) >= count:
+                return
+            await asyncio.sleep(0.05)
+
+
 async def echo(request, context):
     return request
 
@@ -522,22 +532,24 @@ def test_donors_keep_answering_other_calls_while_they_snapshot_and_serve(arun):
             donor.gate, donor.reached = gate, reached
             donor.start()
             donors.append(donor)
-        await asyncio.sleep(0.3)
+        await wait_declared(nodes[3], 2)
         downloader = StateDownloader(
             nodes[3].peer, nodes[3], prefix=PREFIX, request_timeout=30, chunks_in_flight_per_donor=3
         )
         download = asyncio.ensure_future(downloader.run(timeout=60))
-        called_from.extend([await arrivals.get(), await arrivals.get()])
+        async with asyncio.timeout(60):
+            called_from.extend([await arrivals.get(), await arrivals.get()])
         # both donors are stuck in get_state, and they still answer
         for node in nodes[1:3]:
-            assert await nodes[0].peer.call(node.peer.peer_id, "echo", b"1", timeout=10) == b"1"
+            assert await nodes[0].peer.call(node.peer.peer_id, "echo", b"1", timeout=30) == b"1"
         release.set()
-        await reached.wait()
+        async with asyncio.timeout(60):
+            await reached.wait()
         # mid-download (chunk 12 requested, so at least 13 - 2 donors x 3 slots chunks
         # delivered): still answering
         delivered_mid_download = sum(downloader.chunks_from.values())
         for node in nodes[1:3]:
-            assert await nodes[0].peer.call(node.peer.peer_id, "echo", b"2", timeout=10) == b"2"
+            assert await nodes[0].peer.call(node.peer.peer_id, "echo", b"2", timeout=30) == b"2"
         gate.set()
         result = await download
         for donor in donors:
