@@ -271,8 +271,14 @@ class StateDownloader:
         if session is None:
             self._fill()
         elif round_ is not None and not round_.finished.is_set():
-            if session.priority > round_.target.priority:
-                round_.upgrade = True  # a better state than the one we fetch: switch to it
+            if session.priority > round_.target.priority:  # a better state: switch to it
+                logger.info(
+                    "%s offers priority %s, over the %s being downloaded: switching",
+                    session.peer_id,
+                    session.priority,
+                    round_.target.priority,
+                )
+                round_.upgrade = True
                 round_.finished.set()
             else:
                 self._add_donor(round_, session)

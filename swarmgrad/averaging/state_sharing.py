@@ -104,7 +104,8 @@ class StateSharing:
     ``get_state`` that already returns private copies). Pass the owner's tensor lock as
     ``state_lock`` (a ``threading.Lock`` or any context manager): it is held, in a worker
     thread, while ``get_state`` runs and the tensors are copied, so a snapshot never sees
-    a half-updated state; hashing follows outside the lock.
+    a half-updated state; hashing follows outside the lock. (A ``get_state`` that takes
+    the same lock itself needs a reentrant lock, ``threading.RLock``.)
 
     Call :meth:`start` on the event loop, and ``await shutdown()`` to withdraw.
     """
