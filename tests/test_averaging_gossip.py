@@ -115,7 +115,7 @@ def test_two_peers_mix_exactly_by_the_rule(mixing, setup, expected_factor):
         a_tensors, b_tensors = [t.clone() for t in a0], [t.clone() for t in b0]
         a, b = gossipers(nodes, [a_tensors, b_tensors], mixing=mixing, mixing_constant=0.3)
         await asyncio.sleep(1)
-        with b.lock:
+        with b._clock_lock:
             b.samples_seen = float(setup.get("b_samples", 0))
             b.loss = setup.get("b_loss")
         # a starts from a zero clock, so samples_seen sets it

@@ -159,7 +159,10 @@ class AsyncGossipAverager:
         self.scoreboard = scoreboard or PeerScoreboard(rng=self.rng)
         self.key = f"{prefix}.gossip"
         self.rpc_name = f"{prefix}.gossip.pull"
-        self.lock = threading.Lock()  # guards the tensors, the clock and the loss
+        # the tensors' lock (users hold it too, so the loop thread never waits for it: only
+        # worker threads take it), and a short-lived one for the sample clock and the loss
+        self.lock = threading.Lock()
+        self._clock_lock = threading.Lock()
         self.samples_seen = 0.0
         self.loss: float | None = None
         self.pulls_served = 0
@@ -267,7 +270,9 @@ class AsyncGossipAverager:
 
     def _snapshot(self) -> tuple[list[torch.Tensor], float, float | None]:
         with self.lock:
-            return [t.detach().clone() for t in self.tensors], self.samples_seen, self.loss
+            tensors = [t.detach().clone() for t in self.tensors]
+        with self._clock_lock:
+            return tensors, self.samples_seen, self.loss
 
     # ------------------------------------------------------------------ stepping
 
@@ -280,7 +285,7 @@ class AsyncGossipAverager:
             raise ValidationError(f"samples_seen must be a finite number >= 0, got {samples_seen}")
         if loss is not None and not math.isfinite(loss):
             raise ValidationError(f"loss must be finite, got {loss}")
-        with self.lock:
+        with self._clock_lock:
             self.samples_seen += 1.0 if samples_seen is None else float(samples_seen)
             if loss is not None:
                 self.loss = float(loss)
@@ -354,7 +359,7 @@ class AsyncGossipAverager:
         remote_loss: float | None,
         failures: tuple[str, ...],
     ) -> GossipResult:
-        with self.lock:
+        with self._clock_lock:
             factor = mixing_factor(
                 self.mixing,
                 mixing_constant=self.mixing_constant,
@@ -363,7 +368,8 @@ class AsyncGossipAverager:
                 local_loss=self.loss,
                 remote_loss=remote_loss,
             )
-            distance = None
+        distance = None
+        with self.lock:
             if self.divergence_threshold is not None:
                 distance = math.sqrt(
                     sum(
@@ -382,6 +388,7 @@ class AsyncGossipAverager:
             with torch.no_grad():
                 for local, other in zip(self.tensors, remote, strict=True):
                     local.lerp_(other.to(local.device), factor)
+        with self._clock_lock:
             self.samples_seen = (1 - factor) * self.samples_seen + factor * remote_samples
         return GossipResult(peer_id, factor, distance, None, failures)
 
