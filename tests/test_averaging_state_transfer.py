@@ -446,6 +446,30 @@ def test_snapshots_taken_under_the_state_lock_are_consistent():
         assert len(values) == 1 and values.item() > 0
 
 
+def test_a_donor_shutting_down_answers_pending_manifest_requests():
+    async def never_ready():
+        await asyncio.sleep(3600)
+
+    async def main(network):
+        loop = asyncio.get_running_loop()
+        nodes = await start_nodes(network, 2, random.Random(14))
+        sharing = StateSharing(nodes[0].peer, nodes[0], prefix=PREFIX, get_state=never_ready)
+        sharing.start()
+        request = nodes[1].peer.call(nodes[0].peer.peer_id, sharing.rpc.manifest, {"v": 1})
+        pending = asyncio.ensure_future(request)
+        await asyncio.sleep(1)
+        started = loop.time()
+        await sharing.shutdown()
+        answer = await asyncio.wait_for(pending, 60)
+        waited = loop.time() - started
+        await stop([], nodes)
+        return answer, waited
+
+    answer, waited = run_simulation(main, latency=0.01, check_leftover_tasks=True)
+    assert answer["status"] == "unavailable" and "shutting down" in answer["reason"]
+    assert waited < 1
+
+
 def test_a_donor_refuses_an_out_of_range_chunk_with_a_clear_error():
     state = make_state(10)
 

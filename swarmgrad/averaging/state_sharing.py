@@ -357,6 +357,10 @@ class StateSharing:
         try:
             frozen = await self._get_snapshot()
         except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and task is not None and not task.cancelling():
+                # shutdown cancelled the snapshot, not this call: answer instead of vanishing
+                return {"status": UNAVAILABLE, "reason": f"{me} is shutting down"}
             raise
         except Exception as e:
             logger.warning("could not snapshot the state for %s: %r", context.remote_id, e)
