@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import threading
 
 import pytest
@@ -217,3 +219,20 @@ def test_pool_arguments_are_checked():
         TaskPool(lambda x: (x,), 0, "p")
     with pytest.raises(ValidationError, match="unique"):
         Runtime([TaskPool(lambda x: (x,), 4, "p"), TaskPool(lambda x: (x,), 4, "p")])
+
+
+def test_stats_reports_log_the_work_done_since_the_last_one(arun, caplog):
+    pool = TaskPool(lambda x: (x,), 8, "e.0_forward")
+    runtime = Runtime([pool], stats_report_interval=0.01)
+
+    async def main():
+        runtime.start()
+        try:
+            await asyncio.gather(pool.submit_task(rows(2)), pool.submit_task(rows(3)))
+            await until(lambda: "e.0_forward:" in caplog.text)
+        finally:
+            runtime.shutdown()
+
+    with caplog.at_level(logging.INFO, logger="swarmgrad.moe.server.runtime"):
+        arun(main)
+    assert re.search(r"e\.0_forward: \d batches, [235] samples \(mean batch", caplog.text)

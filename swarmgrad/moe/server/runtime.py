@@ -56,6 +56,7 @@ class Runtime:
         self.stats_report_interval = stats_report_interval
         self.name = name
         self.batches_processed = 0
+        self._reported: dict[str, tuple[int, int, float]] = {}  # pool stats at the last report
         self._cond = threading.Condition(threading.Lock())
         self._nonempty: dict[TaskPool, None] = {}  # pools with queued tasks, insertion order
         self._stopping = False
@@ -194,8 +195,7 @@ class Runtime:
         return None if not interval else now + interval
 
     def _report_stats(self) -> None:
-        previous = getattr(self, "_reported", {})
-        current = {}
+        previous, current = self._reported, {}
         for pool in self.pools:
             stats = pool.stats
             current[pool.name] = (stats.batches, stats.samples, stats.busy_seconds)
