@@ -145,8 +145,10 @@ def main() -> None:
         first = download(1)
         rows = []
         for count in sorted({1, args.donors}):
-            ours = statistics.median(download(count) for _ in range(args.repeats))
-            raw = statistics.median(raw_rpc() for _ in range(args.repeats))
+            # alternate the two, so that a change in the machine's load hits both alike
+            pairs = [(download(count), raw_rpc()) for _ in range(args.repeats)]
+            ours = statistics.median(p[0] for p in pairs)
+            raw = statistics.median(p[1] for p in pairs)
             rows.append(
                 {"donors": count, "ours_s": round(ours, 3), "raw_rpc_s": round(raw, 3),
                  "ratio": round(ours / raw, 2)}
