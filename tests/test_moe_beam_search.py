@@ -238,3 +238,11 @@ def test_beam_search_through_a_real_dht():
             [torch.stack([s, -s]) for s in scores], beam_size=1, return_future=True
         ).result(30)
         assert [[info.uid for info in sample] for sample in batch] == [["ffn.1.1"], ["ffn.0.0"]]
+
+
+def test_an_empty_grid_is_asked_again_on_the_next_search():
+    node = MemoryNode()
+    searcher = MoEBeamSearcher(node, "ffn", (2,))
+    assert search(searcher, [np.zeros((1, 2))], 1) == [[]]
+    node.declare("ffn.1")
+    assert [info.uid for _, info in search(searcher, [np.zeros((1, 2))], 1)[0]] == ["ffn.1"]

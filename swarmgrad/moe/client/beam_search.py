@@ -14,7 +14,8 @@ A batch shares its lookups: each level fetches the union of the prefixes its sam
 need, once. Prefix records are kept in a local cache for ``prefix_cache_ttl`` seconds,
 so consecutive training steps do not query the DHT at all; a prefix found empty (its
 parent still listed it) is skipped for ``cache_expiration`` seconds when
-``negative_caching`` is on.
+``negative_caching`` is on (never the grid's root prefix: an empty-looking grid is asked
+again on the next search).
 """
 
 from __future__ import annotations
@@ -224,7 +225,8 @@ class MoEBeamSearcher:
             found[prefix] = parsed
             if parsed is not None:
                 self._cache[prefix] = (now + self.prefix_cache_ttl, parsed)
-            elif self.negative_caching:
+            elif self.negative_caching and prefix != self.uid_prefix:
+                # (never the grid's root: a grid that looks empty is asked again next time)
                 self._cache[prefix] = (now + self.cache_expiration, None)
         return found
 
