@@ -326,3 +326,57 @@ def test_switch_utilization_moves_toward_the_experts_used(swarm):
     rows, cols = moe.grid_utilization.split(GRID)
     torch.testing.assert_close(rows, torch.tensor([0.75, 0.25]))
     torch.testing.assert_close(cols, torch.tensor([2 / 3, 1 / 6, 1 / 6]))
+
+
+def expected_input_grad(modules, uids_and_weights):
+    """x.grad of sum(output) when output = sum_k w_k * expert_k(x) and the gate ignores x."""
+    return sum(w * modules[uid].weight.sum(0) for uid, w in uids_and_weights)
+
+
+def test_failed_or_late_backward_calls_contribute_no_gradient(swarm):
+    modules = make_grid(swarm)
+    moe = layer(swarm, k_best=2, backward_timeout=0.5)
+    fix_ranking(moe, [2.0, 0.0], [1.0, 0.5, 0.0])  # ffn.0.0 (3.0) and ffn.0.1 (2.5)
+    w0, w1 = torch.softmax(torch.tensor([3.0, 2.5]), 0).tolist()
+    x = torch.randn(3, DIM, requires_grad=True)
+    fake(swarm, "ffn.0.1").backward_behaviour = "hang"
+    started = time.monotonic()
+    moe(x).sum().backward()
+    assert time.monotonic() - started < 30
+    expected = expected_input_grad(modules, [("ffn.0.0", w0)]).expand(3, DIM)
+    torch.testing.assert_close(x.grad, expected)
+
+    x.grad = None
+    fake(swarm, "ffn.0.1").backward_behaviour = "raise"
+    moe(x).sum().backward()
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_backward_with_no_expert_answering_is_an_error_unless_zeros_are_allowed(swarm):
+    make_grid(swarm)
+    for server in swarm.servers:
+        for expert in server.experts.values():
+            expert.backward_behaviour = "raise"
+    x = torch.randn(3, DIM, requires_grad=True)
+    with pytest.raises(NoExpertsAnswered, match=r"backward: none of the .* experts answered"):
+        layer(swarm, k_best=2)(x).sum().backward()
+    tolerant = layer(swarm, k_best=2, allow_zero_outputs=True)
+    fix_ranking(tolerant, [2.0, 0.0], [1.0, 0.5, 0.0])
+    x.grad = None
+    tolerant(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.zeros(3, DIM))
+
+
+def test_backward_k_min_then_timeout_after_k_min_cuts_slow_backward_calls(swarm):
+    modules = make_grid(swarm)
+    moe = layer(swarm, k_best=2, backward_k_min=1, timeout_after_k_min=0.2, backward_timeout=60)
+    fix_ranking(moe, [2.0, 0.0], [1.0, 0.5, 0.0])
+    w0, _ = torch.softmax(torch.tensor([3.0, 2.5]), 0).tolist()
+    fake(swarm, "ffn.0.1").backward_behaviour = "hang"
+    x = torch.randn(2, DIM, requires_grad=True)
+    started = time.monotonic()
+    moe(x).sum().backward()
+    assert time.monotonic() - started < 30
+    torch.testing.assert_close(
+        x.grad, expected_input_grad(modules, [("ffn.0.0", w0)]).expand(2, DIM)
+    )
