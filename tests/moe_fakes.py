@@ -10,6 +10,7 @@ batch, and misbehaves on demand per uid: ``behaviour`` (forward) and
 - ``"slow"``: answers after ``delay`` seconds
 - ``"nan"``: answers with NaN everywhere
 - ``"die"``: the whole server peer shuts down in the middle of the call
+- ``"bad_shape"``: answers with tensors of the wrong shape (a buggy or hostile server)
 
 Behaviours can be changed between calls (``server.experts[uid].behaviour = "hang"``).
 """
@@ -36,7 +37,7 @@ from swarmgrad.moe.protocol import (
 )
 from swarmgrad.utils.loop_thread import run_coroutine
 
-BEHAVIOURS = {"normal", "raise", "hang", "slow", "nan", "die"}
+BEHAVIOURS = {"normal", "raise", "hang", "slow", "nan", "die", "bad_shape"}
 
 
 class FakeExpert:
@@ -169,6 +170,8 @@ class FakeExpertServer:
             outputs = _as_tuple(expert.module(*inputs))
         if expert.behaviour == "nan":
             outputs = tuple(torch.full_like(t, float("nan")) for t in outputs)
+        if expert.behaviour == "bad_shape":
+            outputs = tuple(t.reshape(len(t), -1)[:, 1:] for t in outputs)
         codecs = [d.compression for d in expert.outputs_schema]
         return {"outputs": tensors_to_message(outputs, codecs)}
 

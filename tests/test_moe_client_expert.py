@@ -17,6 +17,7 @@ from swarmgrad.moe.protocol import BatchTensorDescriptor
 from swarmgrad.utils.errors import (
     DeadlineExceeded,
     PeerUnreachable,
+    ProtocolViolation,
     RemoteError,
     ValidationError,
 )
@@ -121,6 +122,15 @@ def test_an_expert_error_arrives_as_remote_error_naming_the_expert(swarm):
     with pytest.raises(RemoteError, match=r"ffn\.0.*failed on purpose") as caught:
         expert(torch.randn(2, 4))
     assert caught.value.remote_type == "RuntimeError"
+
+
+def test_a_malformed_answer_is_a_protocol_violation_naming_expert_and_server(swarm):
+    fake = FakeExpert(nn.Linear(4, 4), [BatchTensorDescriptor(4)], behaviour="bad_shape")
+    server = swarm.server({"ffn.0": fake})
+    expert = RemoteExpert(info_of("ffn.0", server), swarm.client)
+    with pytest.raises(ProtocolViolation, match=r"outputs of expert 'ffn\.0' from .*shape") as e:
+        expert(torch.randn(2, 4))
+    assert str(server.peer.peer_id) in str(e.value)
 
 
 def test_a_server_dying_mid_call_is_a_clear_error(swarm):

@@ -135,11 +135,13 @@ def test_expert_arguments_outputs_and_sequence_inputs(swarm):
     assert moe.info["outputs_schema"][1].instance_shape == (5,)
 
 
-def test_failed_experts_are_dropped_for_their_samples(swarm):
+@pytest.mark.parametrize("failure", ["raise", "bad_shape"])
+def test_failed_experts_are_dropped_for_their_samples(swarm, failure):
     modules = make_grid(swarm)
     moe = layer(swarm, k_best=2)
     fix_ranking(moe, [2.0, 0.0], [1.0, 0.5, 0.0])  # best: ffn.0.0, then ffn.0.1
-    fake(swarm, "ffn.0.0").behaviour = "raise"
+    moe.info  # noqa: B018
+    fake(swarm, "ffn.0.0").behaviour = failure
     x = torch.randn(4, DIM)
     torch.testing.assert_close(moe(x), modules["ffn.0.1"](x).detach())
     assert "ffn.0.2" not in all_calls(swarm)  # no fallback: each sample had an answer
