@@ -38,6 +38,15 @@ _LAZY = {
     "BatchTensorDescriptor": "swarmgrad.moe.protocol",
     "ExpertInfo": "swarmgrad.moe",
     "declare_experts": "swarmgrad.moe",
+    "get_experts": "swarmgrad.moe",
+    "MoEBeamSearcher": "swarmgrad.moe",
+    "ModuleBackend": "swarmgrad.moe",
+    "RemoteExpert": "swarmgrad.moe",
+    "RemoteMixtureOfExperts": "swarmgrad.moe",
+    "RemoteSwitchMixtureOfExperts": "swarmgrad.moe",
+    "Server": "swarmgrad.moe",
+    "background_server": "swarmgrad.moe",
+    "register_expert_class": "swarmgrad.moe",
 }
 
 

@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     from torch import nn
 
     from swarmgrad.dht import DHT
-    from swarmgrad.moe.client.moe import RemoteMixtureOfExperts
+    from swarmgrad.moe import RemoteMixtureOfExperts
     from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
     use_swarmgrad_log_handler("WARNING")
