@@ -1,0 +1,488 @@
+"""The averaged tensors as one vector, cut into spans (one per reducing member) and parts.
+
+:class:`TensorPartContainer` is the sender's side: it treats the local tensors as one
+flat vector without copying it, plans which elements belong to which member's span and
+how each span is cut into parts of about ``part_size_bytes``, serializes parts for
+sending, and writes averaged parts back into the local tensors.
+
+:class:`TensorPartReducer` is the owner's side: it sums weighted parts from every sender
+of its span, part by part, and finishes a part once every sender still in the round has
+delivered it.
+
+Why parts never straddle two tensors (unless both pieces are small): a part inside one
+tensor is a view of that tensor, so sending it copies nothing and writing the average
+back is a single ``copy_``. Only pieces smaller than a part (small tensors, tails of
+tensors) are merged into one part, and only those are copied when sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarmgrad.compression import (
+    CompressionBase,
+    CompressionInfo,
+    CompressionType,
+    SerializedTensor,
+    TensorDescriptor,
+    deserialize_torch_tensor,
+    get_codec,
+    serialize_torch_tensor,
+    serialized_from_message,
+    serialized_to_message,
+)
+from swarmgrad.compression.serialized import dtype_name
+from swarmgrad.utils.errors import CodecError, ProtocolViolation, ValidationError
+
+__all__ = [
+    "DEFAULT_PART_SIZE_BYTES",
+    "PartPiece",
+    "PartSpec",
+    "TensorPartContainer",
+    "TensorPartReducer",
+    "tensor_schema",
+]
+
+DEFAULT_PART_SIZE_BYTES = 2 * 1024 * 1024
+_AVERAGEABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class PartPiece:
+    """``length`` elements of tensor ``tensor_index`` starting at flat offset ``start``."""
+
+    tensor_index: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One part: where its elements live in the local tensors, and what it holds."""
+
+    span_index: int
+    part_index: int
+    pieces: tuple[PartPiece, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return sum(piece.length for piece in self.pieces)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def tensor_schema(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
+    """``[[dtype name, [shape...]], ...]``: what members compare before averaging."""
+    return [[dtype_name(t.dtype), list(t.shape)] for t in tensors]
+
+
+def _check_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        raise ValidationError("expected a sequence of tensors, got a single tensor")
+    checked = []
+    for i, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValidationError(f"tensor {i} is a {type(tensor).__name__}, not a torch.Tensor")
+        if tensor.dtype not in _AVERAGEABLE:
+            raise ValidationError(
+                f"tensor {i} has dtype {tensor.dtype}; only float16, bfloat16, float32 and "
+                f"float64 tensors can be averaged"
+            )
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+            raise ValidationError(f"tensor {i} must be a dense CPU tensor, got {tensor.device}")
+        if not tensor.is_contiguous():
+            raise ValidationError(
+                f"tensor {i} (shape {list(tensor.shape)}) is not contiguous; averaging writes "
+                f"into it in place, so pass a contiguous tensor"
+            )
+        checked.append(tensor.detach())
+    return checked
+
+
+def _plan_parts(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    span_sizes: Sequence[int],
+    part_size_bytes: int,
+) -> tuple[tuple[PartSpec, ...], ...]:
+    """Cut the flat vector into spans, and each span into parts (see module docstring)."""
+    spans: list[tuple[PartSpec, ...]] = []
+    tensor_index, offset = 0, 0  # position in the flat vector: tensor, element within it
+    for span_index, span_size in enumerate(span_sizes):
+        chunks: list[PartPiece] = []  # pieces of at most one part's worth, in order
+        remaining = span_size
+        while remaining > 0:
+            while numels[tensor_index] == offset:
+                tensor_index, offset = tensor_index + 1, 0
+            per_part = max(1, part_size_bytes // dtypes[tensor_index].itemsize)
+            length = min(remaining, numels[tensor_index] - offset, per_part)
+            chunks.append(PartPiece(tensor_index, offset, length))
+            offset += length
+            remaining -= length
+        parts: list[PartSpec] = []
+        group: list[PartPiece] = []
+        for chunk in chunks:
+            dtype = dtypes[chunk.tensor_index]
+            per_part = max(1, part_size_bytes // dtype.itemsize)
+            if group and (
+                dtypes[group[0].tensor_index] != dtype
+                or sum(p.length for p in group) + chunk.length > per_part
+            ):
+                parts.append(
+                    PartSpec(span_index, len(parts), tuple(group), dtypes[group[0].tensor_index])
+                )
+                group = []
+            group.append(chunk)
+        if group:
+            parts.append(
+                PartSpec(span_index, len(parts), tuple(group), dtypes[group[0].tensor_index])
+            )
+        spans.append(tuple(parts))
+    return tuple(spans)
+
+
+class TensorPartContainer:
+    """Local tensors seen as one flat vector, split into per-member spans and parts.
+
+    ``span_sizes[j]`` is how many elements member ``j`` reduces (0 for client-mode
+    members); they must sum to the total number of elements. Parts are views of the
+    tensors (see the module docstring), so do not modify the tensors while a round uses
+    them, except through :meth:`apply_part`.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        span_sizes: Sequence[int],
+        *,
+        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+        compression: CompressionType | str | CompressionBase = CompressionType.NONE,
+    ):
+        self.tensors = _check_tensors(tensors)
+        if type(part_size_bytes) is not int or part_size_bytes <= 0:
+            raise ValidationError(
+                f"part_size_bytes must be a positive int, got {part_size_bytes!r}"
+            )
+        self.part_size_bytes = part_size_bytes
+        self.codec = get_codec(compression)
+        self._flat = [t.view(-1) for t in self.tensors]
+        self._descriptors = [TensorDescriptor.from_tensor(t) for t in self.tensors]
+        self.total_size = sum(t.numel() for t in self._flat)
+        sizes = list(span_sizes)
+        if any(type(s) is not int or s < 0 for s in sizes):
+            raise ValidationError(f"span sizes must be non-negative integers, got {sizes}")
+        if sum(sizes) != self.total_size:
+            raise ValidationError(
+                f"span sizes sum to {sum(sizes)} but the tensors hold {self.total_size} elements"
+            )
+        self.span_sizes = tuple(sizes)
+        self.parts = _plan_parts(
+            [t.numel() for t in self._flat],
+            [t.dtype for t in self._flat],
+            self.span_sizes,
+            part_size_bytes,
+        )
+
+    @property
+    def num_spans(self) -> int:
+        return len(self.span_sizes)
+
+    def num_parts(self, span_index: int) -> int:
+        return len(self.parts[span_index])
+
+    def span_nbytes(self, span_index: int) -> int:
+        return sum(spec.nbytes for spec in self.parts[span_index])
+
+    def part_offsets(self, span_index: int) -> list[int]:
+        """Byte offset of each part when a span's parts travel back to back, plus the
+        span's total size at the end."""
+        offsets = [0]
+        for spec in self.parts[span_index]:
+            offsets.append(offsets[-1] + spec.nbytes)
+        return offsets
+
+    def part_from_bytes(self, span_index: int, part_index: int, data: torch.Tensor) -> torch.Tensor:
+        """View ``data`` (uint8, exactly the part's bytes) as the part's values; copied
+        only when its address does not suit the dtype (mixed dtypes, odd sizes)."""
+        spec = self.parts[span_index][part_index]
+        if data.data_ptr() % spec.dtype.itemsize:
+            data = data.clone()
+        return data.view(spec.dtype)
+
+    # ---------------------------------------------------------------- sending
+
+    def local_part(self, span_index: int, part_index: int) -> torch.Tensor:
+        """The part's current local values, flat: a view when it lies in one tensor."""
+        spec = self.parts[span_index][part_index]
+        views = [self._view(piece) for piece in spec.pieces]
+        return views[0] if len(views) == 1 else torch.cat(views)
+
+    def serialize(self, span_index: int, part_index: int) -> SerializedTensor:
+        """The part compressed with the container's codec."""
+        spec = self.parts[span_index][part_index]
+        first = spec.pieces[0].tensor_index
+        info = CompressionInfo(
+            key=first,
+            descriptor=self._descriptors[first],
+            part_index=part_index,
+            part_size=spec.numel,
+        )
+        return serialize_torch_tensor(self.local_part(span_index, part_index), self.codec, info)
+
+    def serialize_part(self, span_index: int, part_index: int) -> dict[str, Any]:
+        """The part as a wire message (:func:`~swarmgrad.compression.serialized_to_message`)."""
+        return serialized_to_message(self.serialize(span_index, part_index))
+
+    def iterate_input_parts(self, span_index: int) -> Iterator[dict[str, Any]]:
+        """Wire messages of one span's parts, in order, each serialized when asked for."""
+        for part_index in range(self.num_parts(span_index)):
+            yield self.serialize_part(span_index, part_index)
+
+    # ---------------------------------------------------------------- receiving
+
+    def decode_part(
+        self, span_index: int, part_index: int, message: Any, what: str
+    ) -> torch.Tensor:
+        """Decode a received part and check it is the part we expect (dtype, size).
+
+        Raises :class:`ProtocolViolation` naming ``what`` (the sender, say) otherwise."""
+        spec = self.parts[span_index][part_index]
+        try:
+            tensor = deserialize_torch_tensor(serialized_from_message(message, what))
+        except CodecError as e:
+            raise ProtocolViolation(f"{what}: {e}") from None
+        if tensor.dtype != spec.dtype or tensor.numel() != spec.numel or tensor.dim() != 1:
+            raise ProtocolViolation(
+                f"{what}: part {part_index} of span {span_index} must be {spec.numel} "
+                f"{dtype_name(spec.dtype)} values, got shape {list(tensor.shape)} of "
+                f"{dtype_name(tensor.dtype)}"
+            )
+        return tensor
+
+    def apply_part(
+        self, span_index: int, part_index: int, averaged: torch.Tensor, alpha: float = 1.0
+    ) -> None:
+        """Write an averaged part into the local tensors.
+
+        ``alpha=1`` replaces the local values; otherwise each value moves ``alpha`` of the
+        way from the local value to the average (hivemind's ``averaging_alpha``)."""
+        spec = self.parts[span_index][part_index]
+        if averaged.numel() != spec.numel:
+            raise ValidationError(
+                f"part {part_index} of span {span_index} has {spec.numel} elements, "
+                f"got {averaged.numel()}"
+            )
+        averaged = averaged.view(-1)
+        offset = 0
+        with torch.no_grad():
+            for piece in spec.pieces:
+                target = self._view(piece)
+                source = averaged[offset : offset + piece.length]
+                if alpha == 1.0:
+                    target.copy_(source)
+                else:
+                    target.lerp_(source.to(target.dtype), alpha)
+                offset += piece.length
+
+    def _view(self, piece: PartPiece) -> torch.Tensor:
+        return self._flat[piece.tensor_index][piece.start : piece.start + piece.length]
+
+
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _PartState:
+    __slots__ = ("acc", "contributed", "future", "plain", "plain_count", "started", "weight")
+
+    def __init__(self, future: asyncio.Future, acc: torch.Tensor | None):
+        self.acc = acc  # running weighted sum (preallocated, or made by the first sender)
+        self.started = False
+        self.weight = 0.0
+        self.plain: torch.Tensor | None = None  # unweighted sum of weight-0 contributions
+        self.plain_count = 0
+        self.contributed: set[int] = set()
+        self.future = future
+
+
+class TensorPartReducer:
+    """Owner side: the weighted average of each part of one span over its senders.
+
+    ``part_specs`` lists ``(numel, dtype)`` per part; senders are numbered
+    ``0..num_senders-1``. Each sender contributes each part once with its weight; part
+    ``k`` is finished when every sender has contributed it or has been excluded
+    (:meth:`on_sender_failed`). A sender excluded midway keeps the parts it already
+    delivered (they are valid data) and is no longer waited for. The result of a part is
+    the weighted mean of what was delivered (the plain mean if all weights were 0), or
+    ``None`` if nobody delivered it. Results are tensors of the part's dtype.
+
+    ``buffer`` (uint8, at least :meth:`accumulator_nbytes`) holds the running sums, so
+    a round allocates nothing; results of float32/float64 parts are views of it.
+    """
+
+    def __init__(
+        self,
+        part_specs: Sequence[tuple[int, torch.dtype]],
+        num_senders: int,
+        *,
+        buffer: torch.Tensor | None = None,
+    ):
+        if num_senders < 0:
+            raise ValidationError(f"num_senders must be >= 0, got {num_senders}")
+        self.part_specs = [(int(numel), dtype) for numel, dtype in part_specs]
+        self.num_senders = num_senders
+        accumulators: list[torch.Tensor | None] = [None] * len(self.part_specs)
+        if buffer is not None:
+            needed = self.accumulator_nbytes(self.part_specs)
+            if buffer.dtype != torch.uint8 or buffer.numel() < needed:
+                raise ValidationError(f"accumulation buffer must be >= {needed} uint8 bytes")
+            offset = 0
+            for index, (numel, dtype) in enumerate(self.part_specs):
+                acc_dtype = _accumulator_dtype(dtype)
+                size = numel * acc_dtype.itemsize
+                accumulators[index] = buffer[offset : offset + size].view(acc_dtype)
+                offset += -(-size // 8) * 8
+        loop = asyncio.get_running_loop()
+        self._parts = [_PartState(loop.create_future(), acc) for acc in accumulators]
+        self._failed: set[int] = set()
+        self._pending_parts = len(self._parts)
+        self._all_done = loop.create_future()
+        self.contributions = [0] * num_senders  # parts delivered per sender
+        for index in range(len(self._parts)):
+            self._maybe_finish(index)  # no senders at all: every part is finished already
+
+    @staticmethod
+    def accumulator_nbytes(part_specs: Sequence[tuple[int, torch.dtype]]) -> int:
+        """Bytes of the ``buffer`` that holds the running sums (8-byte aligned parts)."""
+        total = 0
+        for numel, dtype in part_specs:
+            total += -(-numel * _accumulator_dtype(dtype).itemsize // 8) * 8
+        return total
+
+    @property
+    def num_parts(self) -> int:
+        return len(self._parts)
+
+    @property
+    def failed_senders(self) -> frozenset[int]:
+        return frozenset(self._failed)
+
+    def accumulate_part(
+        self,
+        sender_index: int,
+        part_index: int,
+        part: torch.Tensor,
+        weight: float = 1.0,
+        *,
+        reuse: bool = False,
+    ) -> None:
+        """Add ``weight * part`` from a sender. ``reuse=True`` lets the reducer keep and
+        overwrite ``part``'s memory (a freshly received buffer), saving a copy."""
+        if not 0 <= sender_index < self.num_senders:
+            raise ValidationError(f"sender index {sender_index} not in [0, {self.num_senders})")
+        if sender_index in self._failed:
+            raise ProtocolViolation(f"sender {sender_index} was excluded from this round")
+        if not 0 <= part_index < len(self._parts):
+            raise ProtocolViolation(
+                f"sender {sender_index} sent part {part_index}, but this span has only "
+                f"{len(self._parts)} parts (more data than its share)"
+            )
+        numel, dtype = self.part_specs[part_index]
+        if part.numel() != numel or part.dtype != dtype:
+            raise ProtocolViolation(
+                f"sender {sender_index}: part {part_index} must be {numel} {dtype_name(dtype)} "
+                f"values, got {part.numel()} {dtype_name(part.dtype)}"
+            )
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValidationError(f"sender {sender_index}: weight must be finite and >= 0")
+        state = self._parts[part_index]
+        if sender_index in state.contributed:
+            raise ProtocolViolation(f"sender {sender_index} sent part {part_index} twice")
+        if state.future.done():
+            raise ProtocolViolation(f"part {part_index} is already finished")
+        part = part.view(-1)
+        acc_dtype = _accumulator_dtype(dtype)
+        if weight > 0:
+            if not state.started:
+                if state.acc is None:
+                    if reuse and part.dtype == acc_dtype:
+                        state.acc = part if weight == 1.0 else part.mul_(weight)
+                    else:
+                        state.acc = torch.mul(part.to(acc_dtype), weight)
+                elif part.dtype == acc_dtype:
+                    torch.mul(part, weight, out=state.acc)
+                else:
+                    state.acc.copy_(part).mul_(weight)
+                state.started = True
+            else:
+                state.acc.add_(part, alpha=weight)
+            state.weight += weight
+        else:
+            if state.plain is None:
+                state.plain = part.to(acc_dtype, copy=not reuse or part.dtype != acc_dtype)
+            else:
+                state.plain.add_(part)
+            state.plain_count += 1
+        state.contributed.add(sender_index)
+        self.contributions[sender_index] += 1
+        self._maybe_finish(part_index)
+
+    def on_sender_failed(self, sender_index: int) -> None:
+        """Stop waiting for this sender; parts it already delivered stay counted."""
+        if sender_index in self._failed or not 0 <= sender_index < self.num_senders:
+            return
+        self._failed.add(sender_index)
+        for index in range(len(self._parts)):
+            self._maybe_finish(index)
+
+    def part_future(self, part_index: int) -> asyncio.Future:
+        """Resolves with the averaged part (or None); cancelled by :meth:`cancel`."""
+        return self._parts[part_index].future
+
+    async def wait_part(self, part_index: int) -> torch.Tensor | None:
+        return await asyncio.shield(self._parts[part_index].future)
+
+    async def wait_all(self) -> None:
+        await asyncio.shield(self._all_done)
+
+    @property
+    def finished(self) -> bool:
+        return self._pending_parts == 0
+
+    def cancel(self) -> None:
+        """Give up: unfinished parts are cancelled (waiters see CancelledError)."""
+        for state in self._parts:
+            if not state.future.done():
+                state.future.cancel()
+        if not self._all_done.done():
+            self._all_done.cancel()
+
+    def _maybe_finish(self, part_index: int) -> None:
+        state = self._parts[part_index]
+        if state.future.done():
+            return
+        if len(state.contributed | self._failed) < self.num_senders:
+            return
+        _, dtype = self.part_specs[part_index]
+        if state.started and state.weight > 0:
+            result = state.acc.div_(state.weight)
+        elif state.plain is not None:
+            result = state.plain.div_(state.plain_count)
+        else:
+            result = None
+        if result is not None and result.dtype != dtype:
+            result = result.to(dtype)
+        state.acc = state.plain = None
+        state.future.set_result(result)
+        self._pending_parts -= 1
+        if self._pending_parts == 0 and not self._all_done.done():
+            self._all_done.set_result(None)
