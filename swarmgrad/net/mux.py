@@ -69,6 +69,7 @@ class Stream:
         self._waiter: asyncio.Future | None = None
         self._target: memoryview | None = None  # readexactly_into destination
         self._target_filled = 0
+        self._progress: Callable[[int], None] | None = None  # readexactly_into's callback
         self._recv_credit = conn._local_window  # bytes the remote may still send
         self._consumed_since_grant = 0
         self._send_credit = initial_credit
@@ -114,6 +115,8 @@ class Stream:
 
     def _on_direct_progress(self, n: int) -> None:
         self._target_filled += n
+        if self._progress is not None:
+            self._progress(self._target_filled)
         self._consume(n)
         if self._target_filled == len(self._target):
             self._target = None
@@ -204,8 +207,18 @@ class Stream:
         self._consume(taken)
         return b"".join(out)
 
-    async def readexactly_into(self, buffer: memoryview | bytearray) -> None:
-        """Fill buffer completely; bytes still in flight are received straight into it."""
+    async def readexactly_into(
+        self,
+        buffer: memoryview | bytearray,
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Fill buffer completely; bytes still in flight are received straight into it.
+
+        ``progress(filled)``, if given, is called whenever more of the buffer is filled, so
+        a reader can use the first bytes of a large buffer while the rest still arrive
+        straight into it (the all-reduce does). It runs inside the receive path: it must
+        be quick and must not raise."""
         view = memoryview(buffer).cast("B")
         filled = 0
         while self._chunks and filled < len(view):
@@ -219,6 +232,8 @@ class Stream:
                 self._chunks[0] = chunk[n:]
         self._buffered -= filled
         self._consume(filled)
+        if progress is not None and filled:
+            progress(filled)
         if filled == len(view):
             return
         self._raise_if_failed()
@@ -228,6 +243,7 @@ class Stream:
                 f"{filled} of {len(view)} expected bytes"
             )
         self._target, self._target_filled = view, filled
+        self._progress = progress
         try:
             while self._target is not None:
                 if self._error is not None:
@@ -240,6 +256,7 @@ class Stream:
                 await self._wait()
         finally:
             self._target = None
+            self._progress = None
 
     async def readexactly(self, n: int) -> bytes | bytearray:
         if self._chunks and len(self._chunks[0]) >= n:  # fast path: already buffered
