@@ -191,6 +191,9 @@ def _accuracy(model, x, y, batch_size: int = 256) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    # One intra-op thread per process: five processes share two cores here, and idle
+    # OpenMP workers that spin on an oversubscribed machine stall everybody.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     from torch import nn
 

@@ -1,0 +1,228 @@
+"""Remote-expert throughput and latency against the same module computed locally.
+
+Modeled on hivemind's ``benchmarks/benchmark_throughput.py``:
+
+* remote: one server process hosting ``--num-experts`` (16) ``ffn`` experts (hidden
+  1024, Adam, every backward is an optimizer step) and ``--num-clients`` (4) client
+  processes, each sending ``--batches-per-client`` batches of ``--batch-size`` (512)
+  samples to random experts, forward then backward through :class:`RemoteExpert`. The
+  throughput is all the samples over the wall time from the common start to the last
+  client's end.
+* local, in the same run: the same ``ffn`` modules (same Adam) computing forward,
+  backward and the optimizer step on the same batch shape in one process with torch's
+  default threads, which is what the server's device thread has too.
+* latency: a second server hosting one ``nop`` expert; the p50 of sequential forward
+  calls of a batch of one through a :class:`RemoteExpert` from a client process.
+
+Everything runs on loopback with encryption on. Prints a table and, last, one JSON line
+with ``remote_samples_per_s``, ``local_samples_per_s``, ``ratio``, ``rtt_batch1_ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+HIDDEN = 1024
+
+
+def _serve(expert_cls: str, num_experts: int, hidden: int, ready: mp.Queue, stop) -> None:
+    import torch
+
+    from swarmgrad.moe.server import Server
+
+    server = Server.create(
+        expert_cls=expert_cls,
+        num_experts=num_experts,
+        expert_pattern=f"{expert_cls}.[0:{num_experts}]",
+        hidden_dim=hidden,
+        optim_cls=torch.optim.Adam,
+        max_batch_size=4096,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        start=True,
+    )
+    try:
+        ready.put([str(m) for m in server.dht.get_visible_maddrs()])
+        stop.wait(600)
+    finally:
+        server.shutdown()
+
+
+def _client(
+    index: int, maddrs: list[str], num_experts: int, args: argparse.Namespace, barrier, out
+) -> None:
+    import torch
+
+    from swarmgrad.dht import DHT
+    from swarmgrad.moe import get_experts
+
+    torch.set_num_threads(1)
+    dht = DHT(initial_peers=maddrs, client_mode=True, start=True)
+    try:
+        experts = get_experts(dht, [f"ffn.{i}" for i in range(num_experts)])
+        assert all(e is not None for e in experts), "some experts are not declared"
+        generator = torch.Generator().manual_seed(index)
+        x = torch.randn(args.batch_size, HIDDEN, generator=generator)
+        grad = torch.randn(args.batch_size, HIDDEN, generator=generator)
+        experts[0](x[:1])  # connect and fetch the schema before the clock starts
+        barrier.wait(120)
+        started = time.perf_counter()
+        for _ in range(args.batches_per_client):
+            expert = experts[int(torch.randint(num_experts, (), generator=generator))]
+            inputs = x.requires_grad_(True)
+            expert(inputs).backward(grad)
+            inputs.grad = None
+        out.put((started, time.perf_counter(), args.batches_per_client * args.batch_size))
+    finally:
+        dht.shutdown()
+
+
+def _latency(maddrs: list[str], calls: int, out) -> None:
+    import torch
+
+    from swarmgrad.dht import DHT
+    from swarmgrad.moe import get_experts
+
+    dht = DHT(initial_peers=maddrs, client_mode=True, start=True)
+    try:
+        (expert,) = get_experts(dht, ["nop.0"])
+        x = torch.randn(1, HIDDEN)
+        for _ in range(50):
+            expert(x)
+        times = []
+        for _ in range(calls):
+            started = time.perf_counter()
+            expert(x)
+            times.append(time.perf_counter() - started)
+        out.put(statistics.median(times))
+    finally:
+        dht.shutdown()
+
+
+def _collect(out, processes: list, count: int, timeout: float) -> list:
+    """``count`` results from ``out``; fails at once when a worker process dies."""
+    import queue
+
+    results, deadline = [], time.monotonic() + timeout
+    while len(results) < count:
+        try:
+            results.append(out.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode}") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(results)} of {count} workers finished") from None
+    return results
+
+
+def measure_local(num_experts: int, args: argparse.Namespace) -> float:
+    import torch
+
+    from swarmgrad.moe.server.layers import name_to_block
+
+    experts = [name_to_block["ffn"](HIDDEN) for _ in range(num_experts)]
+    optimizers = [torch.optim.Adam(e.parameters()) for e in experts]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch_size, HIDDEN, generator=generator)
+    grad = torch.randn(args.batch_size, HIDDEN, generator=generator)
+
+    def step(i: int) -> None:
+        inputs = x.requires_grad_(True)
+        experts[i](inputs).backward(grad)
+        optimizers[i].step()
+        optimizers[i].zero_grad()
+        inputs.grad = None
+
+    for i in range(num_experts):  # warm up every expert (allocations, Adam state)
+        step(i)
+    batches = args.num_clients * args.batches_per_client
+    started = time.perf_counter()
+    for _ in range(batches):
+        step(int(torch.randint(num_experts, (), generator=generator)))
+    return batches * args.batch_size / (time.perf_counter() - started)
+
+
+def measure_remote(args: argparse.Namespace) -> tuple[float, float]:
+    ctx = mp.get_context("spawn")
+    stop, ready = ctx.Event(), ctx.Queue()
+    servers = [
+        ctx.Process(target=_serve, args=("ffn", args.num_experts, HIDDEN, ready, stop)),
+        ctx.Process(target=_serve, args=("nop", 1, HIDDEN, ready, stop)),
+    ]
+    clients: list = []
+    try:
+        servers[0].start()
+        (ffn_maddrs,) = _collect(ready, servers[:1], 1, 180)
+        servers[1].start()
+        (nop_maddrs,) = _collect(ready, servers, 1, 180)
+        out, barrier = ctx.Queue(), ctx.Barrier(args.num_clients)
+        clients = [
+            ctx.Process(target=_client, args=(i, ffn_maddrs, args.num_experts, args, barrier, out))
+            for i in range(args.num_clients)
+        ]
+        for client in clients:
+            client.start()
+        results = _collect(out, clients + servers, len(clients), 600)
+        starts, ends, samples = zip(*results, strict=True)
+        throughput = sum(samples) / (max(ends) - min(starts))
+        latency_out = ctx.Queue()
+        probe = ctx.Process(target=_latency, args=(nop_maddrs, args.latency_calls, latency_out))
+        clients.append(probe)
+        probe.start()
+        (rtt,) = _collect(latency_out, [probe, *servers], 1, 300)
+        return throughput, rtt
+    finally:
+        stop.set()
+        for process in clients + servers:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-experts", type=int, default=16)
+    parser.add_argument("--num-clients", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--batches-per-client", type=int, default=16)
+    parser.add_argument("--latency-calls", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+
+    remote, local, rtts = [], [], []
+    for repeat in range(args.repeats):
+        throughput, rtt = measure_remote(args)
+        remote.append(throughput)
+        rtts.append(rtt)
+        local.append(measure_local(args.num_experts, args))
+        print(
+            f"run {repeat + 1}: remote {remote[-1]:,.0f} samples/s, local {local[-1]:,.0f} "
+            f"samples/s (ratio {remote[-1] / local[-1]:.2f}), batch-1 RTT {rtt * 1e3:.3f} ms",
+            flush=True,
+        )
+    figures = {
+        "remote_samples_per_s": round(statistics.median(remote), 1),
+        "local_samples_per_s": round(statistics.median(local), 1),
+        "ratio": round(statistics.median(r / loc for r, loc in zip(remote, local, strict=True)), 3),
+        "rtt_batch1_ms": round(statistics.median(rtts) * 1e3, 3),
+    }
+    print(
+        f"\n{args.num_experts} ffn experts (hidden {HIDDEN}), {args.num_clients} clients, "
+        f"batch {args.batch_size}, forward+backward, medians of {args.repeats} runs:\n"
+        f"  remote  {figures['remote_samples_per_s']:>10,.0f} samples/s\n"
+        f"  local   {figures['local_samples_per_s']:>10,.0f} samples/s\n"
+        f"  ratio   {figures['ratio']:>10.3f}   (target >= 0.85)\n"
+        f"  batch-1 round trip through a nop expert: {figures['rtt_batch1_ms']:.3f} ms "
+        f"(target <= 1 ms)"
+    )
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
