@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-"$PYTHON" -m ruff check swarmgrad tests benchmarks
+"$PYTHON" -m ruff check swarmgrad tests benchmarks examples
 "$PYTHON" -m pytest -q -p no:cacheprovider "$@"
