@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections import Counter
 
 import pytest
@@ -20,7 +21,7 @@ async def make_swarm(network, num_peers, *, seed=0, bits=None, client=(), **kwar
     kwargs.setdefault("min_matchmaking_time", 3.0)
     kwargs.setdefault("request_timeout", 1.0)
     rng = random.Random(seed)
-    nodes = await build_dht_swarm(network, num_peers, rng)
+    nodes = await build_dht_swarm(network, num_peers, rng, client_mode=client)
     matchmakers = [
         Matchmaking(
             node.peer,
@@ -93,6 +94,9 @@ def test_a_swarm_forms_groups_of_target_size_with_identical_group_info():
 
 
 def test_client_mode_peers_join_but_never_lead():
+    """Peers 2..9 are client-mode peers (no listener): they reach the leaders, which
+    answer on the same streams."""
+
     async def main(network):
         nodes, mms = await make_swarm(network, 10, seed=3, client=range(2, 10))
         accepted = Counter()
@@ -354,3 +358,41 @@ def test_a_lonely_peer_gives_up_at_its_timeout_and_bad_arguments_are_refused():
     alone, elapsed, stopped = run_simulation(main, seed=12, latency=0.02)
     assert alone is None and 7.5 <= elapsed < 8.5
     assert stopped is None
+
+
+def run_with_wall_limit(main, seconds, **kwargs):
+    """run_simulation, cancelled after ``seconds`` of wall time: a livelock on the virtual
+    clock (tasks waking each other without time moving) fails instead of hanging."""
+
+    async def guarded(network):
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        timer = threading.Timer(seconds, lambda: loop.call_soon_threadsafe(task.cancel))
+        timer.start()
+        try:
+            return await main(network)
+        finally:
+            timer.cancel()
+            timer.join()
+
+    return run_simulation(guarded, **kwargs)
+
+
+@pytest.mark.parametrize("client", [False, True])
+def test_a_search_ends_when_the_clock_stops_a_hair_before_its_deadline(client):
+    """Regression: asyncio fires timers due within its clock resolution without moving the
+    clock. With exact time comparisons, a search whose clock stopped 5e-15 s before its
+    deadline (another task's timer) woke up forever on the virtual clock."""
+
+    async def main(network):
+        nodes, mms = await make_swarm(network, 2, seed=13, client=(1,) if client else ())
+        loop = asyncio.get_running_loop()
+        results = []
+        for timeout in (2.0, 7.3, 3.1):
+            deadline = loop.time() + timeout
+            loop.call_at(deadline - 5e-15, lambda: None)
+            results.append(await mms[1].look_for_group(timeout=timeout))
+            assert abs(loop.time() - deadline) < 1e-3
+        await stop(nodes, mms)
+        return results
+
+    assert run_with_wall_limit(main, 60, seed=13, latency=0.02) == [None, None, None]

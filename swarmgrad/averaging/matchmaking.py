@@ -60,6 +60,10 @@ logger = logging.getLogger(__name__)
 JOIN_GROUP = "averaging.join_group"
 PROTOCOL_VERSION = 1
 MAX_GROUP_ID_BYTES = 64
+# Times closer than this count as reached. asyncio fires a timer that is due within its
+# clock resolution without moving the clock; on the simulation's virtual clock, a loop that
+# compared times exactly would then wake up forever a hair before its deadline.
+_TICK = 1e-6
 
 
 class Rejection(enum.StrEnum):
@@ -328,7 +332,7 @@ class Matchmaking:
         if self.client_mode:
             return False
         full = len(s.followers) + 1 >= self.target_group_size
-        return full or self._dht_time() >= s.ready_by
+        return full or self._dht_time() >= s.ready_by - _TICK
 
     async def _run(self, s: _Search, scheduled_time: float | None) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
@@ -337,13 +341,13 @@ class Matchmaking:
         tried: set[tuple[PeerID, float | None]] = set()
         next_refresh = -math.inf
         refresh_period = max(0.05, min(self.request_timeout, self.min_matchmaking_time / 4))
-        while not self._closed and loop.time() < s.deadline:
+        while not self._closed and loop.time() < s.deadline - _TICK:
             if s.ready_by > -math.inf and self._time_to_begin(s):
                 group = self._begin(s)
                 if group is not None:
                     return group
                 s.ready_by = -math.inf  # too small or alone: declare again
-            if self._dht_time() >= s.ready_by:
+            if self._dht_time() >= s.ready_by - _TICK:
                 remaining = s.deadline - loop.time()
                 if scheduled_time is not None and scheduled_time > self._dht_time():
                     s.ready_by = min(scheduled_time, self._dht_time() + remaining)
@@ -357,7 +361,7 @@ class Matchmaking:
                 )
                 await self._bounded(declare, s)
                 next_refresh = -math.inf
-            if loop.time() >= next_refresh:
+            if loop.time() >= next_refresh - _TICK:
                 declarations = await self._bounded(self.key_manager.get_declarations(s.key), s)
                 next_refresh = loop.time() + refresh_period
                 if declarations is not None:
@@ -387,7 +391,7 @@ class Matchmaking:
             wake_at = min(next_refresh, s.deadline, self._local_time_of(s.ready_by))
             s.wakeup.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(max(wake_at, loop.time())):
+                async with asyncio.timeout_at(max(wake_at, loop.time() + 2 * _TICK)):
                     await s.wakeup.wait()
         return None
 

@@ -30,7 +30,7 @@ import asyncio
 import math
 import random
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -159,32 +159,44 @@ def model_gossip(
 
 
 async def build_dht_swarm(
-    network, num_peers: int, rng: random.Random, **node_kwargs
+    network,
+    num_peers: int,
+    rng: random.Random,
+    *,
+    client_mode: Container[int] = (),
+    **node_kwargs,
 ) -> list[DHTNode]:
     """``num_peers`` DHT nodes on the simulated network, each bootstrapped from up to 3
-    random earlier ones, with DHT time on the virtual clock."""
+    random earlier public ones, with DHT time on the virtual clock. Nodes whose index is
+    in ``client_mode`` (never the first) run client-mode peers: no listener at all."""
     from swarmgrad.net.sim.backend import create_sim_peer
 
     loop = asyncio.get_running_loop()
     node_kwargs.setdefault("time_fn", lambda: SIM_EPOCH + loop.time())
     first = await create_sim_peer(network, rng=rng, keepalive_interval=None)
     nodes = [await DHTNode.create(first, [], **node_kwargs)]
+    public = [nodes[0]]
 
-    async def start_one(initial: list[str]) -> DHTNode:
-        peer = await create_sim_peer(network, rng=rng, keepalive_interval=None)
+    async def start_one(index: int, initial: list[str]) -> DHTNode:
+        client = index in client_mode
+        peer = await create_sim_peer(network, rng=rng, keepalive_interval=None, client_mode=client)
         try:
-            return await DHTNode.create(peer, initial, **node_kwargs)
+            return await DHTNode.create(peer, initial, client_mode=client, **node_kwargs)
         except BaseException:
             await peer.shutdown()
             raise
 
     while len(nodes) < num_peers:
-        batch = min(50, num_peers - len(nodes))
+        indices = range(len(nodes), min(len(nodes) + 50, num_peers))
         initial = [
-            [str(n.peer.get_visible_maddrs()[0]) for n in rng.sample(nodes, min(3, len(nodes)))]
-            for _ in range(batch)
+            [str(n.peer.get_visible_maddrs()[0]) for n in rng.sample(public, min(3, len(public)))]
+            for _ in indices
         ]
-        nodes.extend(await asyncio.gather(*(start_one(i) for i in initial)))
+        started = await asyncio.gather(
+            *(start_one(i, p) for i, p in zip(indices, initial, strict=True))
+        )
+        nodes.extend(started)
+        public.extend(n for i, n in zip(indices, started, strict=True) if i not in client_mode)
     return nodes
 
 
