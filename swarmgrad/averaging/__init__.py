@@ -1,21 +1,40 @@
 """Fault-tolerant averaging: Moshpit matchmaking, butterfly all-reduce, load balancing,
 gossip, and state download for joining peers."""
 
+from swarmgrad.averaging.allreduce import (
+    AllReduceResult,
+    AllReduceRunner,
+    AveragingMode,
+    GroupMismatch,
+    UnknownGroup,
+)
+from swarmgrad.averaging.deadlines import AdaptiveTimeouts
 from swarmgrad.averaging.gossip import AsyncGossipAverager, GossipAverager, GossipResult
 from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.key_manager import Declaration, GroupKeyManager
+from swarmgrad.averaging.load_balancing import load_balance_peers
 from swarmgrad.averaging.matchmaking import Matchmaking
+from swarmgrad.averaging.partition import TensorPartContainer, TensorPartReducer
 from swarmgrad.averaging.state_transfer import StateDownloader, StateSharing, load_state_from_peers
 
 __all__ = [
+    "AdaptiveTimeouts",
+    "AllReduceResult",
+    "AllReduceRunner",
     "AsyncGossipAverager",
+    "AveragingMode",
     "Declaration",
     "GossipAverager",
     "GossipResult",
     "GroupInfo",
     "GroupKeyManager",
+    "GroupMismatch",
     "Matchmaking",
     "StateDownloader",
     "StateSharing",
+    "TensorPartContainer",
+    "TensorPartReducer",
+    "UnknownGroup",
+    "load_balance_peers",
     "load_state_from_peers",
 ]

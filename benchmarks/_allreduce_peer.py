@@ -1,0 +1,204 @@
+"""Worker processes of the all-reduce benchmarks (one peer per process).
+
+Each worker runs one swarmgrad :class:`~swarmgrad.net.peer.Peer` on the process loop and
+talks to the parent over a ``multiprocessing`` pipe. The group is fixed: members learn
+each other's addresses at start-up and every round builds its :class:`GroupInfo`
+directly, so matchmaking is not part of what is measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any
+
+
+def _setup_process() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _group(round_tag: str, peer_ids: list[Any]):
+    from swarmgrad.averaging.group_info import GroupInfo
+
+    group_id = hashlib.sha256(round_tag.encode()).digest()[:16]
+    return GroupInfo(group_id, tuple(peer_ids), tuple(b"" for _ in peer_ids))
+
+
+def _start_peer(conn) -> tuple[Any, list[Any]]:
+    """Create our peer, publish its address, learn everyone's; returns (peer, peer_ids)."""
+    from swarmgrad.net.multiaddr import Multiaddr
+    from swarmgrad.net.peer import Peer
+    from swarmgrad.utils.loop_thread import run_coroutine
+
+    peer = run_coroutine(Peer.create())
+    conn.send(str(peer.get_visible_maddrs()[0]))
+    maddrs = [Multiaddr.parse(m) for m in conn.recv()]
+
+    async def learn() -> None:
+        for maddr in maddrs:
+            if maddr.peer_id != peer.peer_id:
+                peer.add_addresses(maddr.peer_id, [maddr])
+
+    run_coroutine(learn())
+    return peer, [m.peer_id for m in maddrs]
+
+
+def perf_worker(rank: int, world: int, conn, gloo_port: int, options: dict[str, Any]) -> None:
+    """Alternate gloo all_reduce and our all-reduce rounds on the same tensor size."""
+    _setup_process()
+    import torch
+    import torch.distributed as dist
+
+    from swarmgrad.averaging.allreduce import AllReduceRunner
+    from swarmgrad.utils.loop_thread import run_coroutine, shutdown_loop
+
+    try:
+        peer, peer_ids = _start_peer(conn)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{gloo_port}",
+            rank=rank,
+            world_size=world,
+        )
+        numel = options["numel"]
+        cpu_times: dict[str, list[float]] = {"ours": [], "gloo": []}
+        original = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        tensor = original.clone()
+
+        def ours(tag: str) -> float:
+            runner = AllReduceRunner(
+                peer,
+                _group(tag, peer_ids),
+                [tensor],
+                part_size_bytes=options["part_size_bytes"],
+                timeout=120.0,
+            )
+            started, cpu = time.perf_counter(), time.process_time()
+            result = run_coroutine(runner.run())
+            elapsed = time.perf_counter() - started
+            cpu_times["ours"].append(time.process_time() - cpu)
+            if not result.fully_averaged:
+                raise RuntimeError(f"rank {rank}: round {tag} was not fully averaged: {result}")
+            return elapsed
+
+        def gloo() -> float:
+            started, cpu = time.perf_counter(), time.process_time()
+            dist.all_reduce(tensor)
+            cpu_times["gloo"].append(time.process_time() - cpu)
+            return time.perf_counter() - started
+
+        # correctness: ours must equal gloo's sum / world
+        dist.barrier()
+        gloo()
+        expected = tensor / world
+        tensor.copy_(original)
+        dist.barrier()
+        ours("check")
+        max_error = float((tensor - expected).abs().max())
+
+        times: dict[str, list[float]] = {"ours": [], "gloo": []}
+        for index in range(options["warmup"] + options["rounds"]):
+            tensor.copy_(original)
+            dist.barrier()
+            gloo_time = 0.0 if options.get("no_gloo") else gloo()
+            tensor.copy_(original)
+            dist.barrier()
+            ours_time = ours(f"round-{index}")
+            if index >= options["warmup"]:
+                times["gloo"].append(gloo_time)
+                times["ours"].append(ours_time)
+        dist.barrier()
+        skip = 1 + options["warmup"]  # the check round and the warm-up rounds
+        cpu = {name: values[skip:] for name, values in cpu_times.items()}
+        conn.send({"rank": rank, "times": times, "cpu": cpu, "max_error": max_error})
+        dist.destroy_process_group()
+        run_coroutine(peer.shutdown())
+    except BaseException as e:
+        conn.send({"rank": rank, "error": repr(e)})
+        raise
+    finally:
+        shutdown_loop()
+        conn.close()
+
+
+def fault_worker(rank: int, conn, options: dict[str, Any]) -> None:
+    """Run the rounds the parent orders; report time and whether values are right.
+
+    Rank ``r`` holds ``pattern + r`` (``pattern`` is the same random vector everywhere),
+    so the average over any set of members S is ``pattern + mean(S)``: a survivor checks
+    each value is the average over all members, over the survivors (the victim's part
+    did not make it), or its own value (the victim owned that span).
+    """
+    _setup_process()
+    import torch
+
+    from swarmgrad.averaging.allreduce import AllReduceRunner
+    from swarmgrad.utils.loop_thread import run_coroutine, shutdown_loop
+
+    try:
+        peer, _ = _start_peer(conn)
+        pattern = torch.randn(options["numel"], generator=torch.Generator().manual_seed(0))
+        tensor = torch.empty_like(pattern)
+        while True:
+            order = conn.recv()
+            if order is None:
+                break
+            members, values, tag, start_at = (
+                order["members"],
+                order["values"],
+                order["tag"],
+                order["start_at"],
+            )
+            from swarmgrad.net.identity import PeerID
+
+            peer_ids = [PeerID.from_base58(m) for m in members]
+            own = values[peer_ids.index(peer.peer_id)]
+            torch.add(pattern, own, out=tensor)
+            runner = AllReduceRunner(
+                peer,
+                _group(tag, peer_ids),
+                [tensor],
+                part_size_bytes=options["part_size_bytes"],
+                timeout=options["deadline"],
+            )
+            time.sleep(max(0.0, start_at - time.time()))
+            started = time.perf_counter()
+            result = run_coroutine(runner.run())
+            elapsed = time.perf_counter() - started
+            allowed = [float(v) for v in order["allowed"]] + [float(own)]
+            diff = tensor - pattern
+            ok = torch.zeros_like(diff, dtype=torch.bool)
+            for value in allowed:
+                ok |= (diff - value).abs() <= 1e-4
+            conn.send(
+                {
+                    "rank": rank,
+                    "elapsed": elapsed,
+                    "correct": bool(ok.all()),
+                    "fully_averaged": result.fully_averaged,
+                    "full_average": bool(((diff - allowed[0]).abs() <= 1e-4).all()),
+                    "deadline_exceeded": result.deadline_exceeded,
+                    "failed_reducers": len(result.failed_reducers),
+                    "excluded": len(result.excluded_senders),
+                }
+            )
+        run_coroutine(peer.shutdown())
+    except BaseException as e:
+        conn.send({"rank": rank, "error": repr(e)})
+        raise
+    finally:
+        shutdown_loop()
+        conn.close()
+
+
+def peer_id_string(maddr: str) -> str:
+    return maddr.rsplit("/p2p/", 1)[1]
+
+
+__all__ = ["fault_worker", "peer_id_string", "perf_worker"]
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(f"{os.path.basename(__file__)} is imported by the all-reduce benchmarks")

@@ -1,0 +1,1083 @@
+"""Butterfly all-reduce within one group: reduce-scatter and all-gather, streamed by part.
+
+The members' tensors, seen as one flat vector, are cut into spans, one per reducing member
+(its *owner*). Every member that contributes (a *sender*) opens one stream
+``averaging.aggregate_part`` to each other owner and streams its parts of that owner's
+span; the owner adds each part into a running weighted sum as soon as its bytes are in
+and, once every sender still in the round has delivered part ``k``, streams the average
+of part ``k`` back on each sender's stream. Sending, reducing and receiving overlap part
+by part, and each member moves ``2 (n-1)/n`` of the vector in each direction, the minimum
+for an all-reduce.
+
+What travels back is the **averaged values**, not a per-sender delta: the owner encodes
+each averaged part once and sends the same bytes to every sender (one compression per
+part instead of one per receiver), and with a lossy codec every member, the owner
+included, ends up with bit-identical values.
+
+Modes: a ``NODE`` sends and owns a span; a ``CLIENT`` (behind NAT) sends but owns nothing;
+an ``AUX`` member owns a span but contributes nothing (weight 0) and its own tensors are
+left untouched.
+
+Faults: a sender that fails, stalls past its wait (see :mod:`.deadlines`), or sends bad
+data (NaN/Inf, tensors unlike ours, more bytes than its share) is excluded and the owner
+averages the others; parts it already delivered stay in. A member whose owner fails or
+stalls keeps its local values for that whole span. A span is written into the local
+tensors only once all its parts have arrived and passed the checks, so a tensor never
+holds half a span's average. Every wait is bounded, and an optional overall ``timeout``
+ends the round early, applying only the spans already complete.
+
+Wire protocol (one raw stream per sender and owner; why not RPC messages: a message's
+tensor payload is received into a freshly allocated buffer, and on loopback those
+allocations and page faults cost a quarter of a round; here each span is received
+straight into a reused buffer, see :mod:`.buffers`)::
+
+    sender -> owner:  message(hello) | span data
+    owner -> sender:  message({"ok": True, "codec": ...}) | averaged span data
+                      or message({"error": ..., "type": ...}) and a reset
+
+``message`` is ``u32 length | msgpack``. Span data without compression is the parts' raw
+bytes back to back (sizes are known to both sides); with a codec each part is
+``message(tensor header) | payload``. A failure after the first message resets the
+stream with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import functools
+import logging
+import math
+import struct
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from swarmgrad.averaging.buffers import DEFAULT_POOL, BufferPool
+from swarmgrad.averaging.deadlines import AdaptiveTimeouts, ThroughputMeter
+from swarmgrad.averaging.group_info import GroupInfo
+from swarmgrad.averaging.load_balancing import load_balance_peers
+from swarmgrad.averaging.partition import (
+    DEFAULT_PART_SIZE_BYTES,
+    TensorPartContainer,
+    TensorPartReducer,
+    tensor_schema,
+)
+from swarmgrad.compression import (
+    CompressionBase,
+    CompressionInfo,
+    CompressionType,
+    TensorDescriptor,
+    check_header,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
+from swarmgrad.compression.base import tensor_bytes
+from swarmgrad.compression.serialized import SerializedTensor
+from swarmgrad.net.identity import PeerID
+from swarmgrad.utils.errors import (
+    CodecError,
+    DeadlineExceeded,
+    ProtocolViolation,
+    RemoteError,
+    SwarmgradError,
+    ValidationError,
+)
+
+__all__ = [
+    "AGGREGATE_PART",
+    "AllReduceResult",
+    "AllReduceRouter",
+    "AllReduceRunner",
+    "AveragingMode",
+    "GroupMismatch",
+    "UnknownGroup",
+]
+
+logger = logging.getLogger(__name__)
+
+AGGREGATE_PART = "averaging.aggregate_part"
+PROTOCOL_VERSION = 1
+HELLO_TIMEOUT = 30.0  # a caller must name its group this fast
+MAX_MESSAGE_SIZE = 16 * 1024 * 1024  # hello (with the tensor schema), status, part headers
+RECEIVE_WINDOW_BYTES = 64 * 1024 * 1024  # an owner receives at most this much per sender
+_LENGTH = struct.Struct(">I")
+_FINISHED_GROUPS_REMEMBERED = 1024
+_NONE = CompressionType.NONE.value
+
+
+class AveragingMode(enum.Enum):
+    NODE = 0
+    CLIENT = 1
+    AUX = 2
+
+
+class GroupMismatch(ValidationError):
+    """Members disagree on what they average: tensor shapes or dtypes, spans, part size."""
+
+
+class UnknownGroup(ValidationError):
+    """Parts arrived for a group this peer does not average in (or no longer does)."""
+
+
+@dataclass(frozen=True)
+class AllReduceResult:
+    """What one round did to the local tensors, and who was dropped and why."""
+
+    group_id: bytes
+    averaged_spans: frozenset[int]  # spans now holding the group's average
+    local_spans: frozenset[int]  # non-empty spans that kept their local values
+    excluded_senders: dict[PeerID, str] = field(default_factory=dict)  # from our span
+    failed_reducers: dict[PeerID, str] = field(default_factory=dict)  # spans kept local
+    deadline_exceeded: bool = False
+
+    @property
+    def fully_averaged(self) -> bool:
+        return not self.local_spans and not self.excluded_senders
+
+
+# ---------------------------------------------------------------------------- wire helpers
+
+
+def _encode(body: Any) -> bytes:
+    packed = msgpack.packb(body, use_bin_type=True)
+    return _LENGTH.pack(len(packed)) + packed
+
+
+async def _read_message(stream: Any) -> Any:
+    """One ``u32 length | msgpack`` message; ProtocolViolation if malformed or huge."""
+    (length,) = _LENGTH.unpack(await stream.readexactly(_LENGTH.size))
+    if length > MAX_MESSAGE_SIZE:
+        raise ProtocolViolation(
+            f"{stream.remote_peer_id} sent an all-reduce message of {length} bytes "
+            f"(limit {MAX_MESSAGE_SIZE})"
+        )
+    data = await stream.readexactly(length)
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise ProtocolViolation(
+            f"malformed all-reduce message from {stream.remote_peer_id}: {e}"
+        ) from None
+
+
+async def _within(awaitable: Any, seconds: float, what: str) -> Any:
+    try:
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    except TimeoutError:
+        raise DeadlineExceeded(f"{what} within {seconds:.3g} s") from None
+
+
+async def _refuse(stream: Any, error: BaseException) -> None:
+    """Tell the caller why, then drop the stream (the message arrives before the reset)."""
+    with contextlib.suppress(SwarmgradError, OSError):
+        await stream.write(_encode({"error": str(error), "type": type(error).__name__}))
+    stream.reset(str(error)[:500])
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """True if no NaN or Inf: one cheap sum, and an exact check only if the sum is not
+    finite (it can also overflow on huge but finite values)."""
+    if tensor.numel() == 0 or bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
+def _describe(error: BaseException) -> str:
+    return str(error) or type(error).__name__
+
+
+class _Progress:
+    """Tracks how much of a receive buffer is filled; wakes the reader at part ends.
+
+    ``callback`` goes to :meth:`Stream.readexactly_into`; it runs inside the receive
+    path, so it only compares numbers and sets an event."""
+
+    def __init__(self, part_ends: Sequence[int]):
+        self.part_ends = part_ends  # byte offset where each part of the window ends
+        self.filled = 0
+        self.next_part = 0  # first part not yet handed to the reader
+        self.event = asyncio.Event()
+
+    def callback(self, filled: int) -> None:
+        self.filled = filled
+        if self.next_part < len(self.part_ends) and filled >= self.part_ends[self.next_part]:
+            self.event.set()
+
+    async def wait_parts(
+        self,
+        reader: asyncio.Task,
+        wait: Callable[[], float],
+        what: str,
+        activity: Callable[[], int] = lambda: 0,
+    ) -> list[int]:
+        """Wait until at least one more part is complete; returns their indices (within
+        the window). Raises DeadlineExceeded if for ``wait()`` seconds no byte arrives
+        and ``activity()`` (other signs of life, e.g. bytes we sent) does not change;
+        raises the reader's error if it fails."""
+        while True:
+            complete = []
+            while self.next_part < len(self.part_ends) and (
+                self.filled >= self.part_ends[self.next_part]
+            ):
+                complete.append(self.next_part)
+                self.next_part += 1
+            if complete:
+                return complete
+            if reader.done():
+                reader.result()  # its error, if any
+                raise ProtocolViolation(f"{what}: stream ended early")
+            self.event.clear()
+            seen = (self.filled, activity())
+            waiter = asyncio.ensure_future(self.event.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    (waiter, reader), timeout=wait(), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                waiter.cancel()
+            if not done and (self.filled, activity()) == seen:
+                raise DeadlineExceeded(f"{what}: no progress for {wait():.3g} s")
+
+
+# ---------------------------------------------------------------------------- routing
+
+
+class AllReduceRouter:
+    """Serves ``averaging.aggregate_part`` on one peer and hands each stream to the runner
+    of the group it names. Created by :meth:`for_peer`, once per peer."""
+
+    _by_peer: weakref.WeakKeyDictionary[Any, AllReduceRouter] = weakref.WeakKeyDictionary()
+
+    def __init__(self, *, unknown_group_grace: float = 5.0):
+        self.unknown_group_grace = unknown_group_grace
+        self._runners: dict[bytes, AllReduceRunner] = {}
+        self._waiters: dict[bytes, list[asyncio.Future]] = collections.defaultdict(list)
+        self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    @classmethod
+    def for_peer(cls, peer: Any) -> AllReduceRouter:
+        """The peer's router, registering the protocol on first use. (The router keeps no
+        reference to the peer, so the weak map lets both be collected.)"""
+        router = cls._by_peer.get(peer)
+        if router is None:
+            router = cls()
+            peer.add_protocol_handler(AGGREGATE_PART, router._serve_stream)
+            cls._by_peer[peer] = router
+        return router
+
+    def register(self, group_id: bytes, runner: AllReduceRunner) -> None:
+        if group_id in self._runners or group_id in self._finished:
+            raise ValidationError(f"group {group_id.hex()[:12]} already ran on this peer")
+        self._runners[group_id] = runner
+        for waiter in self._waiters.pop(group_id, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def unregister(self, group_id: bytes) -> None:
+        if self._runners.pop(group_id, None) is not None:
+            self._finished[group_id] = None
+            while len(self._finished) > _FINISHED_GROUPS_REMEMBERED:
+                self._finished.popitem(last=False)
+
+    async def _runner_for(self, group_id: bytes, caller: PeerID) -> AllReduceRunner:
+        """Wait briefly for the group's runner: members start at slightly different times."""
+        runner = self._runners.get(group_id)
+        if runner is None and group_id not in self._finished:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters[group_id].append(waiter)
+            try:
+                async with asyncio.timeout(self.unknown_group_grace):
+                    await waiter
+            except TimeoutError:
+                pass
+            finally:
+                waiters = self._waiters.get(group_id, [])
+                if waiter in waiters:
+                    waiters.remove(waiter)
+                    if not waiters:
+                        del self._waiters[group_id]
+            runner = self._runners.get(group_id)
+        if runner is None:
+            state = "has finished" if group_id in self._finished else "is not running"
+            raise UnknownGroup(
+                f"{caller} sent parts for group {group_id.hex()[:12]}, which {state} here"
+            )
+        return runner
+
+    async def _serve_stream(self, stream: Any) -> None:
+        """Entry point of every incoming stream; never raises."""
+        remote = stream.remote_peer_id
+        try:
+            hello = await _within(_read_message(stream), HELLO_TIMEOUT, f"hello from {remote}")
+            if not isinstance(hello, dict) or not isinstance(hello.get("g"), bytes):
+                raise ProtocolViolation(f"{remote} opened an all-reduce without a group id")
+            if hello.get("v") != PROTOCOL_VERSION:
+                raise ValidationError(
+                    f"all-reduce protocol version {hello.get('v')!r} from {remote} is not "
+                    f"supported (this peer speaks {PROTOCOL_VERSION})"
+                )
+            runner = await self._runner_for(hello["g"], remote)
+        except (SwarmgradError, OSError, TimeoutError) as e:
+            logger.debug("refused an all-reduce stream from %s: %s", remote, e)
+            await _refuse(stream, e)
+            return
+        try:
+            await runner._serve_sender(stream, hello)
+        except Exception:  # a bug here must not leave the stream or the task dangling
+            logger.exception("all-reduce stream from %s failed", remote)
+            stream.reset("internal error")
+
+
+# ---------------------------------------------------------------------------- the runner
+
+
+class AllReduceRunner:
+    """One round of butterfly all-reduce in one group; averages ``tensors`` in place.
+
+    Arguments:
+      peer: this process's :class:`~swarmgrad.net.peer.Peer` (real or simulated); it must
+        be able to reach every member by PeerID.
+      group: the :class:`GroupInfo` from matchmaking; ``ordered_peer_ids`` (default: the
+        group's order) decides which member owns which span.
+      tensors: contiguous float CPU tensors, the same shapes and dtypes on every member.
+      span_sizes / peer_fractions: elements (or fractions) each member reduces, in member
+        order; default: equal spans over the non-client members.
+      modes: :class:`AveragingMode` per member (default: all NODE).
+      weight: this member's weight in the average (default 1; must be 0 for AUX).
+      part_size_bytes, compression: how spans are cut and encoded on the wire.
+      sender_timeout, reducer_timeout: explicit waits for progress (see
+        :mod:`.deadlines`; ``timeouts`` gives the full adaptive policy).
+      timeout: optional deadline for the whole round.
+      averaging_alpha: 1 replaces local values by the average; less moves part way.
+      buffer_pool: where receive and accumulation buffers come from and go back to.
+    """
+
+    def __init__(
+        self,
+        peer: Any,
+        group: GroupInfo,
+        tensors: Sequence[torch.Tensor],
+        *,
+        ordered_peer_ids: Sequence[PeerID] | None = None,
+        span_sizes: Sequence[int] | None = None,
+        peer_fractions: Sequence[float] | None = None,
+        modes: Sequence[AveragingMode] | None = None,
+        weight: float | None = None,
+        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+        compression: CompressionType | str | CompressionBase = CompressionType.NONE,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
+        timeouts: AdaptiveTimeouts | None = None,
+        timeout: float | None = None,
+        averaging_alpha: float = 1.0,
+        buffer_pool: BufferPool | None = None,
+    ):
+        self.peer = peer
+        self.group = group
+        self.group_id = group.group_id
+        ids = tuple(group.peer_ids if ordered_peer_ids is None else ordered_peer_ids)
+        if len(set(ids)) != len(ids):
+            raise ValidationError(f"group {self._gid}: a peer id appears twice in {ids}")
+        if set(ids) != set(group.peer_ids):
+            raise ValidationError(f"group {self._gid}: ordered_peer_ids are not its members")
+        if peer.peer_id not in ids:
+            raise ValidationError(f"group {self._gid}: {peer.peer_id} is not a member")
+        self.ordered_peer_ids = ids
+        self.my_index = ids.index(peer.peer_id)
+        self.modes = tuple(AveragingMode.NODE for _ in ids) if modes is None else tuple(modes)
+        if len(self.modes) != len(ids) or not all(isinstance(m, AveragingMode) for m in self.modes):
+            raise ValidationError(f"group {self._gid}: need one AveragingMode per member")
+        self.mode = self.modes[self.my_index]
+        self.weight = self._check_weight(weight)
+        if not (isinstance(averaging_alpha, int | float) and 0 < averaging_alpha <= 1):
+            raise ValidationError(f"averaging_alpha must be in (0, 1], got {averaging_alpha!r}")
+        self.averaging_alpha = float(averaging_alpha)
+        if isinstance(tensors, torch.Tensor):
+            raise ValidationError("tensors must be a sequence of tensors, not one tensor")
+        total = sum(t.numel() for t in tensors if isinstance(t, torch.Tensor))
+        self.container = TensorPartContainer(
+            tensors,
+            self._spans(total, span_sizes, peer_fractions),
+            part_size_bytes=part_size_bytes,
+            compression=compression,
+        )
+        self.schema = tensor_schema(self.container.tensors)
+        self.span_sizes = self.container.span_sizes
+        self.codec_name = self.container.codec.compression_type.value
+        self.timeouts = timeouts if timeouts is not None else AdaptiveTimeouts()
+        if sender_timeout is not None or reducer_timeout is not None:
+            self.timeouts = AdaptiveTimeouts(
+                sender_timeout=sender_timeout,
+                reducer_timeout=reducer_timeout,
+                min_timeout=self.timeouts.min_timeout,
+                slack=self.timeouts.slack,
+                initial_rate=self.timeouts.initial_rate,
+            )
+        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValidationError(f"timeout must be a positive number, got {timeout!r}")
+        self.timeout = timeout
+        self.pool = buffer_pool if buffer_pool is not None else DEFAULT_POOL
+
+        self.sender_indices = [i for i, m in enumerate(self.modes) if m is not AveragingMode.AUX]
+        self._slot_of = {member: slot for slot, member in enumerate(self.sender_indices)}
+        self._router = AllReduceRouter.for_peer(peer)
+        self._reducer: TensorPartReducer | None = None
+        self._replies: dict[int, tuple[bytes, memoryview] | memoryview] = {}
+        self._admitted: set[int] = set()
+        self._excluded: dict[PeerID, str] = {}
+        self._failed_reducers: dict[PeerID, str] = {}
+        self._mismatches: list[str] = []
+        self._averaged: set[int] = set()
+        self._remote_contributions = 0
+        self._handlers: dict[Any, asyncio.Task] = {}  # stream -> its serving task
+        self._handlers_idle: asyncio.Event | None = None
+        self._deadline: float | None = None
+        self._started = False
+
+    # ---------------------------------------------------------------- set-up
+
+    @property
+    def _gid(self) -> str:
+        return self.group.group_id.hex()[:12]
+
+    def _check_weight(self, weight: float | None) -> float:
+        if self.mode is AveragingMode.AUX:
+            if weight not in (None, 0, 0.0):
+                raise ValidationError("an auxiliary member contributes nothing: weight must be 0")
+            return 0.0
+        weight = 1.0 if weight is None else weight
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise ValidationError(f"weight must be a number, got {weight!r}")
+        if not math.isfinite(weight) or weight < 0:
+            raise ValidationError(f"weight must be finite and >= 0, got {weight!r}")
+        return float(weight)
+
+    def _spans(
+        self, total: int, span_sizes: Sequence[int] | None, fractions: Sequence[float] | None
+    ) -> tuple[int, ...]:
+        n = len(self.ordered_peer_ids)
+        if span_sizes is not None and fractions is not None:
+            raise ValidationError("give span_sizes or peer_fractions, not both")
+        if span_sizes is not None:
+            spans = tuple(span_sizes)
+        elif fractions is not None:
+            if len(fractions) != n or not all(f >= 0 for f in fractions) or sum(fractions) <= 0:
+                raise ValidationError(f"peer_fractions must be {n} non-negative numbers")
+            spans = load_balance_peers(total, [float(f) for f in fractions])
+        else:
+            bandwidths = [0.0 if m is AveragingMode.CLIENT else None for m in self.modes]
+            spans = load_balance_peers(total, bandwidths)
+        if len(spans) != n:
+            raise ValidationError(f"{len(spans)} span sizes for {n} members")
+        for i, size in enumerate(spans):
+            if self.modes[i] is AveragingMode.CLIENT and size:
+                raise ValidationError(
+                    f"member {i} ({self.ordered_peer_ids[i]}) is a client and cannot own a span"
+                )
+        return spans
+
+    def _hello(self, span_index: int) -> dict[str, Any]:
+        return {
+            "v": PROTOCOL_VERSION,
+            "g": self.group_id,
+            "span": span_index,
+            "w": self.weight,
+            "codec": self.codec_name,
+            "schema": self.schema,
+            "spans": list(self.span_sizes),
+            "part": self.container.part_size_bytes,
+        }
+
+    # ---------------------------------------------------------------- the round
+
+    async def run(self) -> AllReduceResult:
+        """Run the round and return what it did. Raises :class:`GroupMismatch` when this
+        member averaged nothing with anyone because its tensors or plan differ."""
+        if self._started:
+            raise ValidationError("an AllReduceRunner runs once; make a new one per round")
+        self._started = True
+        loop = asyncio.get_running_loop()
+        if self.timeout is not None:
+            self._deadline = loop.time() + self.timeout
+        self._handlers_idle = asyncio.Event()
+        self._handlers_idle.set()
+        me = self.my_index
+        acc_buffer = None
+        if self.span_sizes[me] > 0:
+            specs = [(spec.numel, spec.dtype) for spec in self.container.parts[me]]
+            acc_buffer = self.pool.take(TensorPartReducer.accumulator_nbytes(specs))
+            self._reducer = TensorPartReducer(specs, len(self.sender_indices), buffer=acc_buffer)
+        self._router.register(self.group_id, self)
+        deadline_exceeded = False
+        watchdog = None
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                async with asyncio.TaskGroup() as tasks:
+                    if self.mode is not AveragingMode.AUX:
+                        for j, size in enumerate(self.span_sizes):
+                            if j != me and size > 0:
+                                tasks.create_task(self._exchange(j))
+                    if self._reducer is not None:
+                        watchdog = loop.call_later(
+                            self._first_part_wait(), self._exclude_silent_senders
+                        )
+                        tasks.create_task(self._reduce_own_span())
+        except TimeoutError:
+            deadline_exceeded = True
+            logger.warning(
+                "all-reduce of group %s hit its %.3g s deadline; unfinished spans stay local",
+                self._gid,
+                self.timeout,
+            )
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            self._router.unregister(self.group_id)
+            if self._reducer is not None:
+                self._reducer.cancel()
+            await self._stop_handlers()
+            self._replies.clear()
+            if acc_buffer is not None:
+                self.pool.give(acc_buffer)
+        return self._result(deadline_exceeded)
+
+    async def _stop_handlers(self) -> None:
+        """Reset streams still being served and wait for their tasks to let go of our
+        buffers (they stop at once once their stream is reset)."""
+        for stream in list(self._handlers):
+            stream.reset(f"all-reduce of group {self._gid} is over")
+        tasks = [task for task in self._handlers.values() if task is not asyncio.current_task()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.timeouts.min_timeout)
+
+    def _result(self, deadline_exceeded: bool) -> AllReduceResult:
+        nonempty = {j for j, size in enumerate(self.span_sizes) if size > 0}
+        local = set() if self.mode is AveragingMode.AUX else nonempty - self._averaged
+        shared_any = self._remote_contributions or (self._averaged - {self.my_index})
+        if self._mismatches and not shared_any:
+            raise GroupMismatch(
+                f"group {self._gid}: averaged nothing with anyone; {self._mismatches[0]}"
+            )
+        return AllReduceResult(
+            group_id=self.group_id,
+            averaged_spans=frozenset(self._averaged),
+            local_spans=frozenset(local),
+            excluded_senders=dict(self._excluded),
+            failed_reducers=dict(self._failed_reducers),
+            deadline_exceeded=deadline_exceeded,
+        )
+
+    # ---------------------------------------------------------------- sender side
+
+    async def _exchange(self, span_index: int) -> None:
+        """Stream our parts of ``span_index`` to its owner and collect the averages."""
+        owner = self.ordered_peer_ids[span_index]
+        meter = self.timeouts.new_meter()
+        stream = writer = None
+        result_buffer = None
+        clean = False
+        try:
+            stream = await _within(
+                self.peer.open_stream(owner, AGGREGATE_PART),
+                self.timeouts.reducer_wait(meter, 0),
+                f"connecting to {owner}",
+            )
+            # The data waits for the owner's answer: it then has a buffer ready to receive
+            # into (no copy), and a refused stream costs no bandwidth. One round trip.
+            await stream.write(_encode(self._hello(span_index)))
+            status = await _within(
+                _read_message(stream),
+                self.timeouts.reducer_wait(meter, 0),
+                f"{owner} did not answer",
+            )
+            if not isinstance(status, dict) or "error" in status or not status.get("ok"):
+                error = status.get("error") if isinstance(status, dict) else status
+                remote_type = status.get("type", "Exception") if isinstance(status, dict) else ""
+                raise RemoteError(str(error), remote_type=str(remote_type), peer=owner)
+            sent = [0]
+            writer = asyncio.ensure_future(self._send_parts(stream, span_index, sent))
+            writer.add_done_callback(functools.partial(_reset_on_failure, stream))
+            nbytes = self.container.span_nbytes(span_index)
+            if status.get("codec", _NONE) == _NONE:
+                result_buffer = self.pool.take(nbytes)
+                averaged = await self._receive_raw(
+                    stream, span_index, result_buffer, meter, lambda: sent[0]
+                )
+            else:
+                averaged = await self._receive_framed(stream, span_index, meter, lambda: sent[0])
+            for part_index, values in enumerate(averaged):
+                self.container.apply_part(span_index, part_index, values, self.averaging_alpha)
+            self._averaged.add(span_index)
+            # The span is complete and applied; what follows is only a clean goodbye.
+            with contextlib.suppress(SwarmgradError, OSError, TimeoutError):
+                await _within(writer, self.timeouts.min_timeout, "sending our last parts")
+                clean = await self._read_end(stream, self.timeouts.min_timeout)
+        except (SwarmgradError, OSError, TimeoutError) as e:
+            reason = _describe(e)
+            self._failed_reducers[owner] = reason
+            if isinstance(e, RemoteError) and e.remote_type == GroupMismatch.__name__:
+                self._mismatches.append(e.args[0])
+            logger.warning(
+                "all-reduce %s: keeping span %d local, its owner %s failed: %s",
+                self._gid,
+                span_index,
+                owner,
+                reason,
+            )
+        finally:
+            if stream is not None and not clean:
+                stream.reset("sender gave up")
+            if writer is not None:
+                if not writer.done():
+                    writer.cancel()
+                with contextlib.suppress(BaseException):
+                    await writer
+            if result_buffer is not None:
+                self.pool.give(result_buffer)
+
+    async def _send_parts(self, stream: Any, span_index: int, sent: list[int]) -> None:
+        """Write our parts of a span; ``sent[0]`` counts bytes (the owner is alive while
+        it takes them)."""
+        container = self.container
+        raw = self.codec_name == _NONE
+        for part_index in range(container.num_parts(span_index)):
+            if raw:
+                data = tensor_bytes(container.local_part(span_index, part_index))
+                await stream.write(data)
+            else:
+                serialized = container.serialize(span_index, part_index)
+                await stream.write(_encode(serialized.header()))
+                data = memoryview(serialized.buffer)
+                await stream.write(data)
+            sent[0] += data.nbytes
+        await stream.close_write()
+
+    async def _receive_raw(
+        self,
+        stream: Any,
+        span_index: int,
+        buffer: torch.Tensor,
+        meter: ThroughputMeter,
+        activity: Callable[[], int],
+    ) -> list[torch.Tensor]:
+        """Receive the averaged span straight into ``buffer``, checking each part as soon
+        as it is in."""
+        owner = self.ordered_peer_ids[span_index]
+        container = self.container
+        offsets = container.part_offsets(span_index)
+        specs = container.parts[span_index]
+        progress = _Progress(offsets[1:])
+        target = memoryview(buffer[: offsets[-1]].numpy())
+        reader = asyncio.ensure_future(stream.readexactly_into(target, progress=progress.callback))
+        loop = asyncio.get_running_loop()
+        averaged: list[torch.Tensor] = []
+        try:
+            while len(averaged) < len(specs):
+                k = len(averaged)
+                started = loop.time()
+                complete = await progress.wait_parts(
+                    reader,
+                    lambda k=k: self.timeouts.reducer_wait(meter, specs[k].nbytes),
+                    f"averaged part {k} from {owner}",
+                    activity,
+                )
+                meter.observe(offsets[complete[-1] + 1] - offsets[k], loop.time() - started)
+                for part_index in complete:
+                    data = buffer[offsets[part_index] : offsets[part_index + 1]]
+                    values = container.part_from_bytes(span_index, part_index, data)
+                    if not _all_finite(values):
+                        raise ProtocolViolation(
+                            f"{owner} sent NaN or Inf in averaged part {part_index}"
+                        )
+                    averaged.append(values)
+            await reader
+        finally:
+            if not reader.done():
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+        return averaged
+
+    async def _receive_framed(
+        self,
+        stream: Any,
+        span_index: int,
+        meter: ThroughputMeter,
+        activity: Callable[[], int],
+    ) -> list[torch.Tensor]:
+        owner = self.ordered_peer_ids[span_index]
+        specs = self.container.parts[span_index]
+        averaged = []
+        loop = asyncio.get_running_loop()
+        for part_index, spec in enumerate(specs):
+            started = loop.time()
+            message = await _while_active(
+                _read_framed_part(stream),
+                lambda spec=spec: self.timeouts.reducer_wait(meter, spec.nbytes),
+                f"{owner} sent no averaged part {part_index}",
+                activity,
+            )
+            meter.observe(spec.nbytes, loop.time() - started)
+            values = self.container.decode_part(
+                span_index, part_index, message, f"averaged part from {owner}"
+            )
+            if not _all_finite(values):
+                raise ProtocolViolation(f"{owner} sent NaN or Inf in averaged part {part_index}")
+            averaged.append(values)
+        return averaged
+
+    async def _read_end(self, stream: Any, seconds: float) -> bool:
+        """Expect the remote's end of stream; True if it came cleanly."""
+        try:
+            extra = await _within(stream.read(1), seconds, "end of stream")
+        except (SwarmgradError, OSError):
+            return False
+        if extra:
+            logger.debug("%s sent data past the end of its share", stream.remote_peer_id)
+            return False
+        return True
+
+    # ---------------------------------------------------------------- owner side
+
+    def _first_part_wait(self) -> float:
+        specs = self.container.parts[self.my_index]
+        nbytes = specs[0].nbytes if specs else 0
+        return self.timeouts.sender_wait(ThroughputMeter(), nbytes)
+
+    def _exclude_silent_senders(self) -> None:
+        """Senders that never called us within the first part's wait are dropped."""
+        for member in self.sender_indices:
+            if member != self.my_index and member not in self._admitted:
+                self._exclude(member, "sent nothing before its first part's deadline")
+
+    def _exclude(self, member: int, reason: str) -> None:
+        peer_id = self.ordered_peer_ids[member]
+        if peer_id not in self._excluded:
+            self._excluded[peer_id] = reason
+            logger.warning("all-reduce %s: excluded sender %s: %s", self._gid, peer_id, reason)
+        if self._reducer is not None:
+            self._reducer.on_sender_failed(self._slot_of[member])
+
+    async def _reduce_own_span(self) -> None:
+        me, reducer = self.my_index, self._reducer
+        assert reducer is not None
+        if self.mode is not AveragingMode.AUX:
+            slot = self._slot_of[me]
+            local = [self.container.local_part(me, k) for k in range(reducer.num_parts)]
+            if all(_all_finite(part) for part in local):
+                for part_index, part in enumerate(local):
+                    reducer.accumulate_part(slot, part_index, part, self.weight)
+            else:  # the others' average is still worth having
+                logger.warning(
+                    "all-reduce %s: local tensors hold NaN or Inf; averaging span %d without them",
+                    self._gid,
+                    me,
+                )
+                reducer.on_sender_failed(slot)
+        await reducer.wait_all()
+        if self.mode is not AveragingMode.AUX:
+            results = []
+            lossy = self.codec_name != _NONE
+            for part_index in range(reducer.num_parts):
+                values = reducer.part_future(part_index).result()
+                if values is None:
+                    break
+                if lossy:  # apply what the senders get: every member holds the same values
+                    head, payload = self._reply(part_index)
+                    values = deserialize_torch_tensor(
+                        SerializedTensor.from_header(
+                            msgpack.unpackb(head[_LENGTH.size :], raw=False), payload
+                        )
+                    )
+                results.append(values)
+            else:
+                for part_index, values in enumerate(results):
+                    self.container.apply_part(me, part_index, values, self.averaging_alpha)
+                self._averaged.add(me)
+        # Senders may still be receiving our last parts: wait for that, within a bound.
+        wait = self.timeouts.reducer_wait(ThroughputMeter(), self.container.span_nbytes(me))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                await self._handlers_idle.wait()
+
+    def _reply(self, part_index: int) -> Any:
+        """The averaged part as sent: raw bytes, or (header message, payload) with a
+        codec. Encoded once and sent to every sender."""
+        reply = self._replies.get(part_index)
+        if reply is None:
+            values = self._reducer.part_future(part_index).result()
+            if values is None:
+                raise ValidationError(f"part {part_index} could not be averaged: no data")
+            if self.codec_name == _NONE:
+                reply = tensor_bytes(values)
+            else:
+                spec = self.container.parts[self.my_index][part_index]
+                first = spec.pieces[0].tensor_index
+                info = CompressionInfo(
+                    key=first,
+                    descriptor=TensorDescriptor.from_tensor(self.container.tensors[first]),
+                    part_index=part_index,
+                    part_size=spec.numel,
+                )
+                serialized = serialize_torch_tensor(values, self.container.codec, info)
+                reply = (_encode(serialized.header()), memoryview(serialized.buffer))
+            self._replies[part_index] = reply
+        return reply
+
+    def _admit(self, remote: PeerID, hello: dict[str, Any]) -> int:
+        """Check a caller's hello; return its member index or raise the reason to refuse."""
+        me = self.my_index
+        try:
+            member = self.ordered_peer_ids.index(remote)
+        except ValueError:
+            raise ValidationError(f"{remote} is not a member of group {self._gid}") from None
+        if self.modes[member] is AveragingMode.AUX:
+            raise ValidationError(f"{remote} is an auxiliary member and sends no tensors")
+        if hello.get("span") != me or self._reducer is None:
+            raise ValidationError(
+                f"{remote} sent parts of span {hello.get('span')!r} to member {me} "
+                f"({self.peer.peer_id}), which reduces {self.span_sizes[me]} elements"
+            )
+        schema = hello.get("schema")
+        if schema != self.schema:
+            raise GroupMismatch(f"{remote}: {_schema_difference(schema, self.schema)}")
+        if hello.get("spans") != list(self.span_sizes) or hello.get("part") != (
+            self.container.part_size_bytes
+        ):
+            raise GroupMismatch(
+                f"{remote} plans spans {hello.get('spans')} with parts of {hello.get('part')} "
+                f"bytes; this member plans {list(self.span_sizes)} with "
+                f"{self.container.part_size_bytes}"
+            )
+        if not isinstance(hello.get("codec"), str):
+            raise ValidationError(f"{remote} did not say how its parts are encoded")
+        weight = hello.get("w")
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise ValidationError(f"{remote} sent weight {weight!r}, not a number")
+        if not math.isfinite(weight) or weight < 0:
+            raise ValidationError(f"{remote} sent weight {weight!r}; must be finite and >= 0")
+        if member in self._admitted:
+            raise ValidationError(f"{remote} opened a second stream for group {self._gid}")
+        if remote in self._excluded:
+            raise ValidationError(
+                f"{remote} was excluded from group {self._gid}: {self._excluded[remote]}"
+            )
+        if self._reducer.finished:
+            raise ValidationError(f"span {me} of group {self._gid} is already averaged")
+        self._admitted.add(member)
+        return member
+
+    async def _serve_sender(self, stream: Any, hello: dict[str, Any]) -> None:
+        """One sender's stream: accumulate its parts, stream the averaged parts back.
+        Never raises (errors reset the stream)."""
+        remote = stream.remote_peer_id
+        try:
+            member = self._admit(remote, hello)
+        except ValidationError as e:
+            if isinstance(e, GroupMismatch):  # it cannot come back with the right tensors
+                self._mismatches.append(str(e))
+                self._exclude(self.ordered_peer_ids.index(remote), str(e))
+            logger.debug("all-reduce %s: refused %s: %s", self._gid, remote, e)
+            await _refuse(stream, e)
+            return
+        reducer = self._reducer
+        self._handlers[stream] = asyncio.current_task()
+        self._handlers_idle.clear()
+        consumer = asyncio.ensure_future(
+            self._consume(member, float(hello["w"]), hello["codec"], stream)
+        )
+        try:
+            await asyncio.sleep(0)  # let the consumer post its receive buffer first
+            await stream.write(_encode({"ok": True, "codec": self.codec_name}))
+            for part_index in range(reducer.num_parts):
+                future = reducer.part_future(part_index)
+                while not future.done() and not consumer.done():
+                    await asyncio.wait((future, consumer), return_when=asyncio.FIRST_COMPLETED)
+                if consumer.done():
+                    consumer.result()  # an excluded sender gets its reason, not averages
+                if not future.done():
+                    await asyncio.shield(future)  # it delivered everything: wait for others
+                if future.cancelled():
+                    raise DeadlineExceeded(f"all-reduce of group {self._gid} ended early")
+                reply = self._reply(part_index)
+                if isinstance(reply, tuple):
+                    await stream.write(reply[0])
+                    await stream.write(reply[1])
+                else:
+                    await stream.write(reply)
+            await stream.close_write()
+            await consumer
+        except (SwarmgradError, OSError, TimeoutError, asyncio.CancelledError) as e:
+            stream.reset(_describe(e)[:500] if not isinstance(e, asyncio.CancelledError) else "")
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            if not consumer.done():
+                consumer.cancel()
+            with contextlib.suppress(BaseException):
+                await consumer
+            self._handlers.pop(stream, None)
+            if not self._handlers:
+                self._handlers_idle.set()
+
+    async def _consume(self, member: int, weight: float, codec: str, stream: Any) -> None:
+        """Read one sender's parts into the reducer; any failure excludes the sender."""
+        remote = self.ordered_peer_ids[member]
+        reducer = self._reducer
+        slot = self._slot_of[member]
+        meter = self.timeouts.new_meter()
+        try:
+            if codec == _NONE:
+                await self._consume_raw(slot, weight, stream, meter)
+            else:
+                await self._consume_framed(slot, weight, stream, meter)
+            if not await self._read_end(stream, self.timeouts.sender_wait(meter, 0)):
+                raise ProtocolViolation(f"{remote} sent more than the data of its share")
+        except BaseException as e:
+            cancelled = isinstance(e, asyncio.CancelledError)
+            if not cancelled or reducer.contributions[slot] < reducer.num_parts:
+                self._exclude(member, "cancelled" if cancelled else _describe(e))
+            raise
+
+    async def _consume_raw(
+        self, slot: int, weight: float, stream: Any, meter: ThroughputMeter
+    ) -> None:
+        """Receive a sender's span into a pooled buffer, window by window, and add each
+        part into the running sums as soon as its bytes are in."""
+        me, container = self.my_index, self.container
+        remote = stream.remote_peer_id
+        offsets = container.part_offsets(me)
+        specs = container.parts[me]
+        windows = _windows(offsets, RECEIVE_WINDOW_BYTES)
+        buffer = self.pool.take(max(offsets[end] - offsets[start] for start, end in windows))
+        loop = asyncio.get_running_loop()
+        try:
+            for start, end in windows:
+                base = offsets[start]
+                progress = _Progress([offsets[k + 1] - base for k in range(start, end)])
+                target = memoryview(buffer[: offsets[end] - base].numpy())
+                reader = asyncio.ensure_future(
+                    stream.readexactly_into(target, progress=progress.callback)
+                )
+                try:
+                    done = start
+                    while done < end:
+                        started = loop.time()
+                        complete = await progress.wait_parts(
+                            reader,
+                            lambda k=done: self.timeouts.sender_wait(meter, specs[k].nbytes),
+                            f"no part {done}",
+                        )
+                        last = start + complete[-1]
+                        meter.observe(offsets[last + 1] - offsets[done], loop.time() - started)
+                        for k in range(done, last + 1):
+                            data = buffer[offsets[k] - base : offsets[k + 1] - base]
+                            self._accumulate(
+                                slot, k, container.part_from_bytes(me, k, data), weight
+                            )
+                        done = last + 1
+                    await reader
+                finally:
+                    if not reader.done():
+                        reader.cancel()
+                        with contextlib.suppress(BaseException):
+                            await reader
+        finally:
+            self.pool.give(buffer)
+
+    async def _consume_framed(
+        self, slot: int, weight: float, stream: Any, meter: ThroughputMeter
+    ) -> None:
+        me, container = self.my_index, self.container
+        remote = stream.remote_peer_id
+        loop = asyncio.get_running_loop()
+        for k, spec in enumerate(container.parts[me]):
+            wait = self.timeouts.sender_wait(meter, spec.nbytes)
+            started = loop.time()
+            message = await _within(_read_framed_part(stream), wait, f"no part {k}")
+            meter.observe(spec.nbytes, loop.time() - started)
+            part = container.decode_part(me, k, message, str(remote))
+            self._accumulate(slot, k, part, weight, reuse=True)
+
+    def _accumulate(
+        self, slot: int, k: int, part: torch.Tensor, weight: float, reuse: bool = False
+    ) -> None:
+        if not _all_finite(part):
+            raise ProtocolViolation(
+                f"{self.ordered_peer_ids[self.sender_indices[slot]]} sent NaN or Inf in part {k}"
+            )
+        self._reducer.accumulate_part(slot, k, part, weight, reuse=reuse)
+        self._remote_contributions += 1
+
+
+def _reset_on_failure(stream: Any, task: asyncio.Task) -> None:
+    """A writer that failed resets its stream, so both sides stop waiting at once."""
+    if not task.cancelled() and task.exception() is not None:
+        stream.reset(f"sender failed: {_describe(task.exception())}"[:500])
+
+
+async def _while_active(
+    awaitable: Any, wait: Callable[[], float], what: str, activity: Callable[[], int]
+) -> Any:
+    """Await; DeadlineExceeded once ``wait()`` seconds pass with ``activity()`` unchanged."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            seen = activity()
+            done, _ = await asyncio.wait((task,), timeout=wait())
+            if done:
+                return task.result()
+            if activity() == seen:
+                raise DeadlineExceeded(f"{what}: no progress for {wait():.3g} s")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def _windows(offsets: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive runs of parts ``[start, end)`` of at most ``limit`` bytes each (a part
+    larger than the limit gets a window of its own)."""
+    windows, start = [], 0
+    num_parts = len(offsets) - 1
+    while start < num_parts:
+        end = start + 1
+        while end < num_parts and offsets[end + 1] - offsets[start] <= limit:
+            end += 1
+        windows.append((start, end))
+        start = end
+    return windows or [(0, 0)]
+
+
+async def _read_framed_part(stream: Any) -> dict[str, Any]:
+    """A compressed part: header message, then exactly the payload it announces."""
+    header = await _read_message(stream)
+    try:
+        nbytes = check_header(header)
+    except CodecError as e:
+        raise ProtocolViolation(f"{stream.remote_peer_id} sent a bad part header: {e}") from None
+    payload = bytearray(nbytes)
+    if nbytes:
+        await stream.readexactly_into(payload)
+    return {"h": header, "b": payload}
+
+
+def _schema_difference(theirs: Any, ours: list[list[Any]]) -> str:
+    """Name the first tensor whose dtype or shape differs, for a clear refusal."""
+    if not isinstance(theirs, list):
+        return "sent no tensor schema"
+    if len(theirs) != len(ours):
+        return f"averages {len(theirs)} tensors, this member averages {len(ours)}"
+    for index, (their, our) in enumerate(zip(theirs, ours, strict=True)):
+        if their != our:
+            return f"tensor {index} is {their!r} (dtype, shape) there but {our!r} here"
+    return "tensor schemas differ"
