@@ -10,7 +10,8 @@ Modeled on hivemind's ``benchmarks/benchmark_throughput.py``:
   client's end.
 * local, in the same run: the same ``ffn`` modules (same Adam) computing forward,
   backward and the optimizer step on the same batch shape in one process with torch's
-  default threads, which is what the server's device thread has too.
+  default threads, which is what the server's device thread has too; measured right
+  before and right after each remote run and averaged, as the machine's load drifts.
 * latency: a second server hosting one ``nop`` expert; the p50 of sequential forward
   calls of a batch of one through a :class:`RemoteExpert` from a client process.
 
@@ -197,10 +198,13 @@ def main() -> None:
 
     remote, local, rtts = [], [], []
     for repeat in range(args.repeats):
+        # local before and after remote, averaged: the machine's load drifts
+        before = measure_local(args.num_experts, args)
         throughput, rtt = measure_remote(args)
+        after = measure_local(args.num_experts, args)
         remote.append(throughput)
         rtts.append(rtt)
-        local.append(measure_local(args.num_experts, args))
+        local.append((before + after) / 2)
         print(
             f"run {repeat + 1}: remote {remote[-1]:,.0f} samples/s, local {local[-1]:,.0f} "
             f"samples/s (ratio {remote[-1] / local[-1]:.2f}), batch-1 RTT {rtt * 1e3:.3f} ms",
