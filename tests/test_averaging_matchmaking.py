@@ -94,11 +94,13 @@ def test_a_swarm_forms_groups_of_target_size_with_identical_group_info():
 
 
 def test_client_mode_peers_join_but_never_lead():
-    """Peers 2..9 are client-mode peers (no listener): they reach the leaders, which
-    answer on the same streams."""
+    """Two keys, each with one ordinary peer and four client-mode peers (no listener):
+    each ordinary peer leads a full group of 4; one client per key is left over, since
+    clients never lead."""
+    bits = ["0", "1", "0", "0", "0", "0", "1", "1", "1", "1"]
 
     async def main(network):
-        nodes, mms = await make_swarm(network, 10, seed=3, client=range(2, 10))
+        nodes, mms = await make_swarm(network, 10, seed=3, bits=bits, client=range(2, 10))
         accepted = Counter()
         for m in mms:
             original = m._serve_join
@@ -122,10 +124,10 @@ def test_client_mode_peers_join_but_never_lead():
 
     results, mms, data, accepted = run_simulation(main, seed=3, latency=0.02)
     groups = check_consistent(results, mms, data)
-    leaders = {mms[0].peer.peer_id, mms[1].peer.peer_id}
-    assert set(accepted) <= leaders
-    assert all(leaders & set(info.peer_ids) for info in groups)
-    assert sum(r is not None for r in results) >= 8
+    leaders = [mms[0].peer.peer_id, mms[1].peer.peer_id]
+    assert sorted(accepted.items()) == sorted((leader, 3) for leader in leaders)
+    assert sorted(len(set(leaders) & set(info.peer_ids)) for info in groups) == [1, 1]
+    assert sorted(info.group_size for info in groups) == [4, 4]
 
 
 def test_client_mode_peers_alone_find_no_group():
