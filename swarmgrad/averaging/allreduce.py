@@ -83,9 +83,12 @@ from swarmgrad.compression.serialized import SerializedTensor
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import (
     CodecError,
+    ConnectionClosed,
     DeadlineExceeded,
+    PeerUnreachable,
     ProtocolViolation,
     RemoteError,
+    StreamReset,
     SwarmgradError,
     ValidationError,
 )
@@ -625,6 +628,9 @@ class AllReduceRunner:
             self._failed_reducers[owner] = reason
             if isinstance(e, RemoteError) and e.remote_type == GroupMismatch.__name__:
                 self._mismatches.append(e.args[0])
+            if _peer_is_gone(e) and self._reducer is not None and span_index in self._slot_of:
+                # the same connection would carry its parts to us: stop waiting for them
+                self._exclude(span_index, f"unreachable: {reason}")
             logger.warning(
                 "all-reduce %s: keeping span %d local, its owner %s failed: %s",
                 self._gid,
@@ -953,7 +959,6 @@ class AllReduceRunner:
         """Receive a sender's span into a pooled buffer, window by window, and add each
         part into the running sums as soon as its bytes are in."""
         me, container = self.my_index, self.container
-        remote = stream.remote_peer_id
         offsets = container.part_offsets(me)
         specs = container.parts[me]
         windows = _windows(offsets, RECEIVE_WINDOW_BYTES)
@@ -1016,6 +1021,13 @@ class AllReduceRunner:
             )
         self._reducer.accumulate_part(slot, k, part, weight, reuse=reuse)
         self._remote_contributions += 1
+
+
+def _peer_is_gone(error: BaseException) -> bool:
+    """The connection itself failed (not a refusal or a reset of one stream)."""
+    if isinstance(error, StreamReset | RemoteError | DeadlineExceeded):
+        return False
+    return isinstance(error, PeerUnreachable | ConnectionClosed | OSError)
 
 
 def _reset_on_failure(stream: Any, task: asyncio.Task) -> None:
