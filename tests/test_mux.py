@@ -184,6 +184,28 @@ def test_readexactly_into_receives_large_payloads_in_place(arun):
     arun(main)
 
 
+def test_readexactly_into_reports_progress_while_the_buffer_fills(arun):
+    async def main():
+        a, b, accepted, _ = await connected_pair(max_frame=64 * 1024)
+        s = a.open_stream()
+        await s.write(b"x" * 1000)  # arrives before the reader: copied, then reported
+        await settle()
+        (r,) = accepted
+        target = bytearray(1000 + 512 * 1024)
+        seen: list[int] = []
+        reader = asyncio.ensure_future(r.readexactly_into(target, progress=seen.append))
+        await settle()
+        await s.write(b"y" * (512 * 1024))
+        await reader
+        assert seen[0] == 1000 and seen[-1] == len(target)
+        assert seen == sorted(seen) and len(seen) >= 8  # one report per frame at least
+        assert bytes(target) == b"x" * 1000 + b"y" * (512 * 1024)
+        a.close()
+        await settle()
+
+    arun(main)
+
+
 def test_reset_mid_transfer_fails_the_reader_and_keeps_connection(arun):
     async def main():
         a, b, accepted, _ = await connected_pair()

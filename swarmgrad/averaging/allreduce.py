@@ -513,12 +513,12 @@ class AllReduceRunner:
         self._handlers_idle = asyncio.Event()
         self._handlers_idle.set()
         me = self.my_index
+        self._router.register(self.group_id, self)
         acc_buffer = None
         if self.span_sizes[me] > 0:
             specs = [(spec.numel, spec.dtype) for spec in self.container.parts[me]]
             acc_buffer = self.pool.take(TensorPartReducer.accumulator_nbytes(specs))
             self._reducer = TensorPartReducer(specs, len(self.sender_indices), buffer=acc_buffer)
-        self._router.register(self.group_id, self)
         deadline_exceeded = False
         watchdog = None
         try:
