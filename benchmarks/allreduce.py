@@ -118,9 +118,10 @@ def main() -> None:
     for world in args.peers:
         result = run_group(world, options)
         results.append(result)
+        ratio = f"{result['ratio']:>6.2f}" if result["ratio"] is not None else "     -"
         print(
-            f"{world:>5} {result['ours_s']:>8.3f} {result['gloo_s']:>8.3f} "
-            f"{result['ratio']:>6.2f}  {result['max_error_vs_gloo']:.2e}",
+            f"{world:>5} {result['ours_s']:>8.3f} {result['gloo_s']:>8.3f} {ratio}  "
+            f"{result['max_error_vs_gloo']:.2e}",
             flush=True,
         )
         print(

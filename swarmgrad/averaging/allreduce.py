@@ -85,6 +85,7 @@ from swarmgrad.utils.errors import (
     CodecError,
     ConnectionClosed,
     DeadlineExceeded,
+    HandshakeError,
     PeerUnreachable,
     ProtocolViolation,
     RemoteError,
@@ -642,10 +643,7 @@ class AllReduceRunner:
             if stream is not None and not clean:
                 stream.reset("sender gave up")
             if writer is not None:
-                if not writer.done():
-                    writer.cancel()
-                with contextlib.suppress(BaseException):
-                    await writer
+                await _settle(writer)
             if result_buffer is not None:
                 self.pool.give(result_buffer)
 
@@ -706,10 +704,7 @@ class AllReduceRunner:
                     averaged.append(values)
             await reader
         finally:
-            if not reader.done():
-                reader.cancel()
-                with contextlib.suppress(BaseException):
-                    await reader
+            await _settle(reader)
         return averaged
 
     async def _receive_framed(
@@ -926,10 +921,7 @@ class AllReduceRunner:
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
-            if not consumer.done():
-                consumer.cancel()
-            with contextlib.suppress(BaseException):
-                await consumer
+            await _settle(consumer)
             self._handlers.pop(stream, None)
             if not self._handlers:
                 self._handlers_idle.set()
@@ -991,10 +983,7 @@ class AllReduceRunner:
                         done = last + 1
                     await reader
                 finally:
-                    if not reader.done():
-                        reader.cancel()
-                        with contextlib.suppress(BaseException):
-                            await reader
+                    await _settle(reader)
         finally:
             self.pool.give(buffer)
 
@@ -1024,10 +1013,19 @@ class AllReduceRunner:
 
 
 def _peer_is_gone(error: BaseException) -> bool:
-    """The connection itself failed (not a refusal or a reset of one stream)."""
+    """The connection itself failed or could not be made (not a refusal, not the reset
+    of one stream)."""
     if isinstance(error, StreamReset | RemoteError | DeadlineExceeded):
         return False
-    return isinstance(error, PeerUnreachable | ConnectionClosed | OSError)
+    return isinstance(error, PeerUnreachable | HandshakeError | ConnectionClosed | OSError)
+
+
+async def _settle(task: asyncio.Future) -> None:
+    """Cancel a helper task if it still runs and wait for it, consuming its outcome."""
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
 
 
 def _reset_on_failure(stream: Any, task: asyncio.Task) -> None:
@@ -1050,10 +1048,7 @@ async def _while_active(
             if activity() == seen:
                 raise DeadlineExceeded(f"{what}: no progress for {wait():.3g} s")
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await _settle(task)
 
 
 def _windows(offsets: Sequence[int], limit: int) -> list[tuple[int, int]]:
