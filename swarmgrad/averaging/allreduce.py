@@ -35,10 +35,12 @@ straight into a reused buffer, see :mod:`.buffers`)::
     owner -> sender:  message({"ok": True, "codec": ...}) | averaged span data
                       or message({"error": ..., "type": ...}) and a reset
 
-``message`` is ``u32 length | msgpack``. Span data without compression is the parts' raw
-bytes back to back (sizes are known to both sides); with a codec each part is
-``message(tensor header) | payload``. A failure after the first message resets the
-stream with the reason.
+``message`` is ``u32 length | msgpack``. The sender sends its span data only after the
+owner's ``ok`` (one round trip per round): the owner's receive buffer is then in place,
+so the data lands in it without a copy, and a refused stream costs no bandwidth. Span
+data without compression is the parts' raw bytes back to back (sizes are known to both
+sides); with a codec each part is ``message(tensor header) | payload``. A failure after
+the first message resets the stream with the reason.
 """
 
 from __future__ import annotations
@@ -256,7 +258,11 @@ class _Progress:
 
 class AllReduceRouter:
     """Serves ``averaging.aggregate_part`` on one peer and hands each stream to the runner
-    of the group it names. Created by :meth:`for_peer`, once per peer."""
+    of the group it names. Created by :meth:`for_peer`, once per peer.
+
+    An averager should call :meth:`for_peer` when it starts: a member whose round starts
+    a little earlier than ours may then reach us before our runner exists, and its stream
+    waits (``unknown_group_grace``) instead of being refused as an unknown protocol."""
 
     _by_peer: weakref.WeakKeyDictionary[Any, AllReduceRouter] = weakref.WeakKeyDictionary()
 
