@@ -399,6 +399,8 @@ class Matchmaking:
         """Remember where a potential leader listens (addresses naming another peer and
         malformed ones are ignored: they come from other peers' records)."""
         good = []
+        if peer_id == self.peer.peer_id:
+            return
         for text in maddrs if isinstance(maddrs, list | tuple) else ():
             try:
                 address = Multiaddr.parse(text)
