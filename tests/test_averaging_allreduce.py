@@ -208,9 +208,22 @@ def test_large_parts_stream_through_several_windows(arun, monkeypatch):
 # ---------------------------------------------------------------------------- faults
 
 
-def test_a_sender_that_stalls_is_excluded_and_the_rest_average(arun):
-    async def main():
-        peers = await make_peers(4)
+async def make_sim_peers(network, n: int) -> list[Peer]:
+    peers = [await create_sim_peer(network) for _ in range(n)]
+    for peer in peers:
+        for other in peers:
+            if other is not peer:
+                peer.add_addresses(other.peer_id, other.get_visible_maddrs())
+    return peers
+
+
+# The tests that depend on timers run on the simulated network: its clock is virtual, so
+# a busy machine cannot make an honest peer look stalled.
+
+
+def test_a_sender_that_stalls_is_excluded_and_the_rest_average():
+    async def main(network):
+        peers = await make_sim_peers(network, 4)
         tensors = [random_tensors(i) for i in range(4)]
         originals = [[t.clone() for t in ts] for ts in tensors]
         group = make_group(peers)
@@ -230,20 +243,20 @@ def test_a_sender_that_stalls_is_excluded_and_the_rest_average(arun):
         await shutdown(peers)
         return tensors, originals, results, peers[3].peer_id
 
-    tensors, originals, results, client = arun(main)
+    tensors, originals, results, client = run_simulation(main, seed=3, latency=0.01)
     expected = mean_of(originals, [0, 1, 2])
     for member in (0, 1, 2):
         assert_close(tensors[member], expected)
         assert client in results[member].excluded_senders
-    assert "no progress" in results[0].excluded_senders[client]
+    assert "no progress for 0.3 s" in results[0].excluded_senders[client]
     assert results[3].local_spans == {0, 1, 2}
     for got, original in zip(tensors[3], originals[3], strict=True):
         assert torch.equal(got, original)
 
 
-def test_a_sender_that_fails_is_excluded_at_once(arun):
-    async def main():
-        peers = await make_peers(4)
+def test_a_sender_that_fails_is_excluded_at_once():
+    async def main(network):
+        peers = await make_sim_peers(network, 4)
         tensors = [random_tensors(i) for i in range(4)]
         originals = [[t.clone() for t in ts] for ts in tensors]
         group = make_group(peers)
@@ -263,11 +276,11 @@ def test_a_sender_that_fails_is_excluded_at_once(arun):
         await shutdown(peers)
         return tensors, originals, results, elapsed
 
-    tensors, originals, results, elapsed = arun(main)
+    tensors, originals, results, elapsed = run_simulation(main, seed=4, latency=0.01)
     for member in (0, 1, 2):
         assert_close(tensors[member], mean_of(originals, [0, 1, 2]))
-        assert len(results[member].excluded_senders) == 1
-    assert elapsed < FAST.min_timeout  # no waiting for a timer
+        assert "disk on fire" in next(iter(results[member].excluded_senders.values()))
+    assert elapsed < 0.5  # a few round trips of 20 ms; no timer ran out
 
 
 def test_a_reducer_that_dies_leaves_its_span_local_and_the_rest_averaged(arun):
@@ -306,9 +319,9 @@ def test_a_reducer_that_dies_leaves_its_span_local_and_the_rest_averaged(arun):
         assert results[member].local_spans == {3}
 
 
-def test_a_reducer_that_stalls_leaves_its_span_local(arun):
-    async def main():
-        peers = await make_peers(3)
+def test_a_reducer_that_stalls_leaves_its_span_local():
+    async def main(network):
+        peers = await make_sim_peers(network, 3)
         tensors = [random_tensors(i) for i in range(3)]
         originals = [[t.clone() for t in ts] for ts in tensors]
         group = make_group(peers)
@@ -327,7 +340,7 @@ def test_a_reducer_that_stalls_leaves_its_span_local(arun):
         await shutdown(peers)
         return tensors, originals, results, runners[0].span_sizes
 
-    tensors, originals, results, span_sizes = arun(main)
+    tensors, originals, results, span_sizes = run_simulation(main, seed=5, latency=0.01)
     for member in (0, 1):
         got = span_views(tensors[member], span_sizes)
         local = span_views(originals[member], span_sizes)
@@ -336,9 +349,9 @@ def test_a_reducer_that_stalls_leaves_its_span_local(arun):
         assert "did not answer" in next(iter(results[member].failed_reducers.values()))
 
 
-def test_the_round_ends_at_its_deadline_with_tensors_untouched(arun):
-    async def main():
-        peers = await make_peers(3)
+def test_the_round_ends_at_its_deadline_with_tensors_untouched():
+    async def main(network):
+        peers = await make_sim_peers(network, 3)
         AllReduceRouter.for_peer(peers[2])  # peer 2 knows the protocol but never joins
         tensors = [random_tensors(i) for i in range(3)]
         originals = [[t.clone() for t in ts] for ts in tensors]
@@ -354,8 +367,8 @@ def test_the_round_ends_at_its_deadline_with_tensors_untouched(arun):
         await shutdown(peers)
         return tensors, originals, results, elapsed
 
-    tensors, originals, results, elapsed = arun(main)
-    assert elapsed < 2.0
+    tensors, originals, results, elapsed = run_simulation(main, seed=6, latency=0.01)
+    assert 0.5 <= elapsed < 0.6
     for member in (0, 1):
         assert results[member].deadline_exceeded
         for got, original in zip(tensors[member], originals[member], strict=True):
