@@ -47,6 +47,7 @@ _LAZY = {
     "Server": "swarmgrad.moe",
     "background_server": "swarmgrad.moe",
     "register_expert_class": "swarmgrad.moe",
+    "DecentralizedAverager": "swarmgrad.averaging",
 }
 
 

@@ -1,0 +1,392 @@
+"""``DecentralizedAverager``: hivemind's averaging API for synchronous code.
+
+::
+
+    averager = DecentralizedAverager([param1, param2], dht, prefix="my_run.params",
+                                     target_group_size=16, start=True)
+    ...
+    gathered = averager.step(timeout=60)        # {peer_id: gather} or None
+    with averager.get_tensors() as tensors:     # read or change them safely
+        ...
+
+The averager runs on the process's event loop thread (:mod:`swarmgrad.utils.loop_thread`)
+and shares the DHT's peer (``dht.peer``, ``dht.node``): no process is forked and no
+tensor is moved to shared memory. The work itself is done by
+:class:`~swarmgrad.averaging.averager_core.AsyncDecentralizedAverager`; this class hands
+it coroutines and keeps hivemind's override points (:meth:`get_current_state`,
+:meth:`load_state_from_peers`) and names.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from swarmgrad.averaging.allreduce import AllReduceResult, AveragingMode
+from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager, check_averaged_tensors
+from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from swarmgrad.averaging.step_control import StepControl
+from swarmgrad.compression import CompressionBase, CompressionType, NoCompression
+from swarmgrad.dht.dht import DHT
+from swarmgrad.net.identity import PeerID
+from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
+
+__all__ = ["DecentralizedAverager"]
+
+logger = logging.getLogger(__name__)
+
+# keyword arguments passed through to AsyncDecentralizedAverager
+_EXTRA_OPTIONS = {
+    "timeouts",
+    "max_gather_bytes",
+    "rotate_group_bits",
+    "state_sharing_options",
+    "state_download_options",
+    "rng",
+}
+_IGNORED_OPTIONS = {"daemon"}  # hivemind forks a process; nothing is forked here
+
+
+class DecentralizedAverager:
+    """Average ``averaged_tensors`` with other peers, in groups found through ``dht``.
+
+    Arguments (hivemind 1.1's names):
+      averaged_tensors: floating-point CPU tensors, averaged in place (same shapes and
+        dtypes on every peer of the run; a peer with other tensors is refused with an
+        error naming the first difference).
+      dht: a running :class:`~swarmgrad.dht.DHT`; the averager uses its peer.
+      start: start at once (else call :meth:`run_in_background`).
+      prefix: the run's name in the DHT; only averagers with the same prefix meet.
+      target_group_size: the largest group (None: up to 256); groups start as soon as
+        they are full. min_group_size: smaller groups disband and search again.
+      initial_group_bits: this peer's cell of the Moshpit grid, a string of 0/1 (""
+        puts everyone in one key: plain group all-reduce). After each round the bits
+        move so that the next round mixes along another axis.
+      min_matchmaking_time: how long a leader waits for its group to fill.
+      request_timeout: bound on each answer during matchmaking.
+      averaging_alpha: local += alpha * (average - local); 1 replaces by the average.
+      part_size_bytes: tensors travel in parts of about this size (sending, reducing
+        and receiving overlap part by part).
+      allreduce_timeout: bound on one all-reduce round (after the group is formed).
+      next_chunk_timeout: default for sender_timeout, and the wait for each chunk when
+        downloading state.
+      sender_timeout / reducer_timeout: fixed waits for the next part from a sender or
+        an owner; default: adaptive to the throughput seen (see :mod:`.deadlines`).
+      compression: codec for parts on the wire (both directions).
+      state_compression: accepted for compatibility; state downloads are sent exact.
+      bandwidth: this peer's bandwidth (any unit, the same for the whole run): spans are
+        sized to it. None: unknown (counts as the group's mean).
+      min_vector_size: a member never reduces fewer elements than this (its share goes
+        to the others).
+      auxiliary: reduce others' parts, contribute nothing (weight 0), never change the
+        local tensors. client_mode: send, never reduce (for peers behind NAT); default:
+        the DHT's mode.
+      allow_state_sharing: serve :meth:`get_current_state` to joining peers (default:
+        unless client or auxiliary). declare_state_period: how often that is refreshed
+        in the DHT.
+      shutdown_timeout: bound on :meth:`shutdown`.
+      kwargs: ``timeouts``, ``max_gather_bytes``, ``rotate_group_bits``,
+        ``state_sharing_options``, ``state_download_options``, ``rng`` (see
+        :class:`~.averager_core.AsyncDecentralizedAverager`); ``daemon`` is accepted and
+        ignored.
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht: DHT,
+        *,
+        start: bool,
+        prefix: str,
+        target_group_size: int | None = None,
+        min_group_size: int = 2,
+        initial_group_bits: str = "",
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        averaging_alpha: float = 1.0,
+        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+        allreduce_timeout: float | None = None,
+        next_chunk_timeout: float | None = None,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
+        compression: CompressionBase | CompressionType | str = NoCompression(),
+        state_compression: CompressionBase | CompressionType | str = NoCompression(),
+        bandwidth: float | None = None,
+        min_vector_size: int = 0,
+        auxiliary: bool = False,
+        allow_state_sharing: bool | None = None,
+        declare_state_period: float = 30,
+        client_mode: bool | None = None,
+        shutdown_timeout: float = 5,
+        **kwargs: Any,
+    ):
+        unknown = set(kwargs) - _EXTRA_OPTIONS - _IGNORED_OPTIONS
+        if unknown:
+            raise ValidationError(f"DecentralizedAverager got unknown options {sorted(unknown)}")
+        self.dht = dht
+        self._averaged_tensors = tuple(check_averaged_tensors(averaged_tensors))
+        self.lock_averaged_tensors = threading.RLock()
+        self.client_mode = dht.client_mode if client_mode is None else bool(client_mode)
+        self.shutdown_timeout = shutdown_timeout
+        self._options: dict[str, Any] = dict(
+            prefix=prefix,
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            initial_group_bits=initial_group_bits,
+            min_matchmaking_time=min_matchmaking_time,
+            request_timeout=request_timeout,
+            averaging_alpha=averaging_alpha,
+            part_size_bytes=part_size_bytes,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            sender_timeout=sender_timeout,
+            reducer_timeout=reducer_timeout,
+            compression=compression,
+            state_compression=state_compression,
+            bandwidth=bandwidth,
+            min_vector_size=min_vector_size,
+            auxiliary=auxiliary,
+            allow_state_sharing=allow_state_sharing,
+            declare_state_period=declare_state_period,
+            client_mode=self.client_mode,
+            **{k: v for k, v in kwargs.items() if k in _EXTRA_OPTIONS},
+        )
+        if auxiliary and self.client_mode:
+            raise ValidationError(
+                "an auxiliary peer reduces others' parts, so it must accept connections: "
+                "auxiliary=True needs client_mode=False"
+            )
+        self.mode = (
+            AveragingMode.CLIENT
+            if self.client_mode
+            else AveragingMode.AUX
+            if auxiliary
+            else AveragingMode.NODE
+        )
+        self._state_priority = 0.0
+        self._core: AsyncDecentralizedAverager | None = None
+        self._start_lock = threading.Lock()
+        self._starting: concurrent.futures.Future | None = None
+        if start:
+            self.run_in_background(await_ready=True)
+
+    # ------------------------------------------------------------------ life cycle
+
+    def run_in_background(
+        self, await_ready: bool = True, timeout: float | None = None
+    ) -> concurrent.futures.Future | None:
+        """Start the averager on the loop thread (the DHT must be running). With
+        ``await_ready=False``, returns a future that resolves once it runs."""
+        with self._start_lock:
+            if self._core is not None or (self._starting is not None and not self._starting.done()):
+                raise ValidationError("this averager is already running")
+            peer, node = self.dht.peer, self.dht.node
+            if peer is None or node is None:
+                raise ValidationError("the DHT is not running: start it before the averager")
+
+            async def create() -> AsyncDecentralizedAverager:
+                core = AsyncDecentralizedAverager(
+                    self._averaged_tensors,
+                    peer,
+                    node,
+                    get_state=self.get_current_state,
+                    state_priority=self._state_priority,
+                    lock=self.lock_averaged_tensors,
+                    **self._options,
+                )
+                core.start()
+                self._core = core
+                return core
+
+            self._starting = run_coroutine_future(create())
+        if not await_ready:
+            return self._starting
+        self._starting.result(timeout)
+        return None
+
+    def _running(self) -> AsyncDecentralizedAverager:
+        core = self._core
+        if core is None or not core.is_running:
+            raise ValidationError("the averager is not running: call run_in_background()")
+        return core
+
+    def is_alive(self) -> bool:
+        core = self._core
+        return core is not None and core.is_running
+
+    def shutdown(self) -> None:
+        """Cancel running steps and leave (idempotent)."""
+        core, self._core = self._core, None
+        if core is not None:
+            run_coroutine(core.shutdown(), timeout=self.shutdown_timeout)
+
+    def __enter__(self) -> DecentralizedAverager:
+        if self._core is None:
+            self.run_in_background()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ identity and settings
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.dht.peer_id
+
+    @property
+    def prefix(self) -> str:
+        return self._options["prefix"]
+
+    @property
+    def total_size(self) -> int:
+        return sum(t.numel() for t in self._averaged_tensors)
+
+    @property
+    def last_result(self) -> AllReduceResult | None:
+        """What the latest all-reduce round did (spans averaged or kept, peers dropped)."""
+        return self._core.last_result if self._core is not None else None
+
+    def get_group_bits(self) -> str:
+        core = self._core
+        if core is None:
+            return self._options["initial_group_bits"]
+        return core.get_group_bits()
+
+    def set_group_bits(self, group_bits: str, wait: bool = True) -> None:
+        """Move this peer to another Moshpit cell (takes effect at the next search).
+        ``wait`` is accepted for hivemind compatibility."""
+        core = self._core
+        if core is None:
+            from swarmgrad.averaging.group_bits import validate_group_bits
+
+            self._options["initial_group_bits"] = validate_group_bits(group_bits)
+        else:
+            core.set_group_bits(group_bits)
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        core = self._core
+        if core is None:
+            value = self._options["allow_state_sharing"]
+            return (
+                (not self.client_mode and self.mode is not AveragingMode.AUX)
+                if value is None
+                else value
+            )
+        return core.allow_state_sharing
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        if value and self.client_mode:
+            raise ValidationError("a client-mode peer cannot share its state (nobody can call it)")
+        core = self._core
+        if core is None:
+            self._options["allow_state_sharing"] = bool(value)
+        else:
+            core.allow_state_sharing = bool(value)
+
+    @property
+    def state_sharing_priority(self) -> float:
+        """Joining peers download from the donors of highest priority first (e.g. an epoch
+        or step number)."""
+        core = self._core
+        return core.state_sharing_priority if core is not None else self._state_priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        core = self._core
+        if core is not None:
+            core.state_sharing_priority = value
+        self._state_priority = float(value)
+
+    # ------------------------------------------------------------------ tensors and state
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
+        """``with averager.get_tensors() as tensors:`` the averaged tensors, locked against
+        averaging rounds and state snapshots inside the block. Do not hold the lock for
+        long while a step runs: the round waits for it."""
+        with self.lock_averaged_tensors:
+            yield self._averaged_tensors
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+        """What this peer shares with joining peers: ``(metadata, tensors)``, metadata any
+        msgpack-able object. Override it to share more (an optimizer's state, the epoch).
+        It runs in a worker thread with the tensors' lock held; the tensors are copied
+        before the lock is released."""
+        with self.get_tensors() as tensors:
+            return {"group_bits": self.get_group_bits()}, list(tensors)
+
+    def load_state_from_peers(
+        self, wait: bool = True, timeout: float | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | concurrent.futures.Future | None:
+        """Download the state of the best donors under this prefix: ``(metadata,
+        tensors)``, or None if nobody could provide it within ``timeout``. The state is
+        returned, not applied. ``wait=False`` returns a future."""
+        core = self._running()
+        future = run_coroutine_future(core.load_state_from_peers(timeout))
+        if not wait:
+            return future
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    # ------------------------------------------------------------------ averaging
+
+    def step(
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        require_trigger: bool = False,
+        wait: bool = True,
+    ) -> dict[PeerID, Any] | StepControl | None:
+        """Average once with a group of peers.
+
+        Returns ``{peer_id: gather}`` of the members this peer averaged with, or None if
+        no round succeeded within ``timeout`` seconds (None: keep trying while
+        ``allow_retries``). ``gather`` is any msgpack-able object shared with the group.
+        ``scheduled_time`` (DHT time, see :func:`~swarmgrad.get_dht_time`) is when this
+        peer's group starts at the latest if it leads; default: ``min_matchmaking_time``
+        from now. ``weight`` (default 1, 0 for auxiliary peers) weighs this peer's
+        tensors in the average.
+
+        ``wait=False`` returns a :class:`~.step_control.StepControl` future at once; with
+        ``require_trigger=True`` the all-reduce then waits for
+        ``control.allow_allreduce()`` once the group is formed. A ``GroupMismatch``
+        error means this peer's tensors differ from its group's.
+        """
+        if require_trigger and wait:
+            raise ValidationError(
+                "require_trigger=True needs wait=False: nobody could trigger a step "
+                "that this thread waits for"
+            )
+        core = self._running()
+        control = core.new_control(scheduled_time, weight, require_trigger)
+        inner = run_coroutine_future(
+            core.step(gather, timeout=timeout, allow_retries=allow_retries, control=control)
+        )
+        control._follow(inner)
+        if not wait:
+            return control
+        try:
+            return control.result()
+        except BaseException:
+            control.cancel()  # e.g. KeyboardInterrupt: stop the step on the loop
+            raise
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive() else "stopped"
+        return f"{type(self).__name__}(prefix={self.prefix!r}, {state})"

@@ -1,0 +1,190 @@
+"""A handle on one averaging step that runs in the background.
+
+``DecentralizedAverager.step(wait=False)`` returns a :class:`StepControl`: a
+``concurrent.futures.Future`` of the step's result (the group's gathered data, or None)
+that also lets the caller steer the step while it runs. The common pattern, as in
+hivemind's optimizer, is to schedule matchmaking ahead of time and release the all-reduce
+only when the local tensors are ready::
+
+    control = averager.step(scheduled_time=get_dht_time() + 10, require_trigger=True,
+                            wait=False)
+    ...                                   # compute gradients meanwhile
+    control.weight = samples_this_epoch   # may change until the all-reduce begins
+    control.allow_allreduce()
+    gathered = control.result(timeout=60)
+
+Why a Future subclass rather than a bare future plus side methods: the caller keeps one
+object, thread-safe in every method, whose ``cancel()`` reaches the coroutine on the event
+loop (a step cancelled during its all-reduce leaves the spans already averaged in place
+and the rest local, see :mod:`.allreduce`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import enum
+import math
+import threading
+from typing import Any
+
+from swarmgrad.utils.errors import ValidationError
+
+__all__ = ["AveragingStage", "StepControl"]
+
+
+class AveragingStage(enum.Enum):
+    IDLE = 0  # created, not started yet
+    LOOKING_FOR_GROUP = 1
+    AWAITING_TRIGGER = 2  # a group is formed; the all-reduce waits for allow_allreduce()
+    RUNNING_ALLREDUCE = 3
+    FINISHED = 4
+
+
+def check_weight(weight: Any) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise ValidationError(f"weight must be a number, got {weight!r}")
+    if not math.isfinite(weight) or weight < 0:
+        raise ValidationError(f"weight must be finite and >= 0, got {weight!r}")
+    return float(weight)
+
+
+class StepControl(concurrent.futures.Future):
+    """One averaging step: its future result, its trigger, its weight and stage.
+
+    ``scheduled_time`` is the DHT time at which this peer, if it leads a group, starts
+    it. ``weight`` may be changed until the all-reduce begins. With
+    ``require_trigger=True`` the step forms a group and then waits for
+    :meth:`allow_allreduce` (until the step's deadline) before averaging.
+    """
+
+    def __init__(
+        self,
+        *,
+        scheduled_time: float,
+        weight: float,
+        require_trigger: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(scheduled_time, int | float) or not math.isfinite(scheduled_time):
+            raise ValidationError(f"scheduled_time must be a finite DHT time, got {scheduled_time}")
+        self._scheduled_time = float(scheduled_time)
+        self._weight = check_weight(weight)
+        self.require_trigger = bool(require_trigger)
+        self._stage = AveragingStage.IDLE
+        self._state_lock = threading.Lock()
+        self._triggered = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._trigger: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ user side
+
+    @property
+    def scheduled_time(self) -> float:
+        return self._scheduled_time
+
+    @property
+    def weight(self) -> float:
+        return self._weight
+
+    @weight.setter
+    def weight(self, value: float) -> None:
+        if self.began_allreduce:
+            raise ValidationError("the all-reduce has begun: its weight can no longer change")
+        self._weight = check_weight(value)
+
+    @property
+    def stage(self) -> AveragingStage:
+        return self._stage
+
+    @property
+    def triggered(self) -> bool:
+        return self._triggered
+
+    @property
+    def began_allreduce(self) -> bool:
+        return self._stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED)
+
+    def allow_allreduce(self) -> None:
+        """Let the all-reduce begin once a group is formed (any thread; idempotent)."""
+        with self._state_lock:
+            self._triggered = True
+            loop, event = self._loop, self._trigger
+        if loop is not None and event is not None:
+            _call_on(loop, event.set)
+
+    def cancel(self) -> bool:
+        """Stop the step; False if it has already finished. The coroutine on the event
+        loop is cancelled too (asynchronously: its clean-up follows shortly)."""
+        with self._state_lock:
+            loop, task = self._loop, self._task
+        cancelled = super().cancel()
+        if cancelled and loop is not None and task is not None:
+            _call_on(loop, task.cancel)
+        return cancelled
+
+    # ------------------------------------------------------------------ averager side
+
+    def _bind(self, task: asyncio.Task) -> None:
+        """Called on the loop by the step that runs this control."""
+        loop = asyncio.get_running_loop()
+        with self._state_lock:
+            self._loop, self._task = loop, task
+            self._trigger = asyncio.Event()
+            if self._triggered:
+                self._trigger.set()
+        if self.cancelled():  # cancelled before the step started
+            task.cancel()
+
+    async def _wait_for_trigger(self) -> None:
+        assert self._trigger is not None, "the control is not bound to a running step"
+        await self._trigger.wait()
+
+    def _set_stage(self, stage: AveragingStage) -> None:
+        self._stage = stage
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._stage = AveragingStage.FINISHED
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            if error is not None:
+                self.set_exception(error)
+            else:
+                self.set_result(result)
+
+    def _mark_cancelled(self) -> None:
+        """The step's coroutine was cancelled: so is this future (if not done yet)."""
+        self._stage = AveragingStage.FINISHED
+        super().cancel()
+
+    def _follow(self, inner: concurrent.futures.Future) -> None:
+        """Mirror ``inner`` (the step coroutine's future) once it ends: covers a step that
+        was cancelled before it could report through :meth:`_finish`."""
+
+        def copy(done: concurrent.futures.Future) -> None:
+            if done.cancelled():
+                self._mark_cancelled()
+            elif done.exception() is not None:
+                self._finish(error=done.exception())
+            else:
+                self._finish(done.result())
+
+        inner.add_done_callback(copy)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else self._stage.name.lower()
+        return f"<StepControl {state} scheduled_time={self._scheduled_time:.3f} w={self._weight}>"
+
+
+def _call_on(loop: asyncio.AbstractEventLoop, fn: Any) -> None:
+    """Run ``fn`` on ``loop``: now if we are on it, else soon from its thread."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        fn()
+    else:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to stop
+            loop.call_soon_threadsafe(fn)
