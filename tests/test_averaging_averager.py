@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import threading
 import time
 
 import pytest
@@ -532,27 +531,3 @@ def test_facade_settings_before_start_and_unknown_options(dhts):
             averager.set_group_bits("012")
     assert not averager.is_alive()
     averager.shutdown()  # idempotent
-
-
-def test_the_lock_holder_never_leaves_the_lock_taken_after_a_cancelled_wait():
-    from swarmgrad.averaging.tensor_lock import LoopLockHolder
-
-    lock = threading.RLock()
-
-    async def main():
-        holder = LoopLockHolder(lock)
-        assert await holder.acquire(1.0)
-        holder.release()
-        lock.acquire()  # a user thread... here the test itself holds it
-        waiting = asyncio.ensure_future(holder.acquire(None))
-        await asyncio.sleep(0.05)
-        waiting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        assert not await holder.acquire(0.05)  # still ours
-        lock.release()
-        await holder.close()
-        return lock.acquire(timeout=1)
-
-    assert asyncio.run(main())
-    lock.release()
