@@ -157,6 +157,9 @@ def test_the_odd_one_out_gets_a_mismatch_error_and_a_tie_only_skips_the_round():
     for peer_id in IDS[:2]:
         with pytest.raises(RoundSkipped, match="nobody in the group shares our tensors"):
             plan_round(tie, peer_id)
+    doubles = [["float64", [6, 5]], ["float64", [17]]]
+    with pytest.raises(GroupMismatch, match=r"tensor 0 is float64\[6, 5\] here but float32"):
+        plan_round(group(info(schema=doubles), info(), info()), IDS[0])
     fewer = group(info(schema=SCHEMA_A[:1]), info(), info())
     with pytest.raises(GroupMismatch, match="1 tensors here, 2 at"):
         plan_round(fewer, IDS[0])
