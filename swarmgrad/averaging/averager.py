@@ -302,6 +302,8 @@ class DecentralizedAverager:
 
     @state_sharing_priority.setter
     def state_sharing_priority(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            raise ValidationError(f"state_sharing_priority must be a number, got {value!r}")
         core = self._core
         if core is not None:
             core.state_sharing_priority = value
