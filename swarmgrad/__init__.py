@@ -48,6 +48,7 @@ _LAZY = {
     "background_server": "swarmgrad.moe",
     "register_expert_class": "swarmgrad.moe",
     "DecentralizedAverager": "swarmgrad.averaging",
+    "GossipAverager": "swarmgrad.averaging",
 }
 
 
