@@ -6,8 +6,8 @@ Example::
                      --expert-pattern "expert.[0:32].[0:32]" --initial-peers ADDR
 
 Every multi-word flag is also accepted in hivemind's spelling (``--expert_cls``).
-``--config FILE`` reads the same options from a JSON, TOML or YAML file (YAML when PyYAML
-is installed), keys spelled either way (``expert-cls`` or ``expert_cls``); flags on the
+``--config FILE`` reads the same options from a JSON, TOML or YAML file (YAML through PyYAML,
+a dependency), keys spelled either way (``expert-cls`` or ``expert_cls``); flags on the
 command line override the file.
 
 Once serving, it prints two lines on stdout (scripts can parse them)::
