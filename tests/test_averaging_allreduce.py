@@ -478,6 +478,20 @@ def test_parts_for_an_unknown_or_finished_group_are_refused(arun):
     assert "protocol version 99" in old_version["error"]
 
 
+def sender_hello(group, tensors):
+    """The hello a client-mode member sends to owner 0 of a 64-element, one-part span."""
+    return {
+        "v": PROTOCOL_VERSION,
+        "g": group.group_id,
+        "span": 0,
+        "w": 1.0,
+        "codec": "none",
+        "schema": tensor_schema(tensors),
+        "spans": [64, 0],
+        "part": 64,
+    }
+
+
 def test_a_sender_sending_more_than_its_share_is_excluded(arun):
     async def main():
         owner, attacker = await make_peers(2)
@@ -488,16 +502,7 @@ def test_a_sender_sending_more_than_its_share_is_excluded(arun):
         )
         task = asyncio.ensure_future(runner.run())
         await asyncio.sleep(0)
-        hello = {
-            "v": PROTOCOL_VERSION,
-            "g": group.group_id,
-            "span": 0,
-            "w": 1.0,
-            "codec": "none",
-            "schema": tensor_schema(tensors),
-            "spans": [64, 0],
-            "part": 64,
-        }
+        hello = sender_hello(group, tensors)
         stream, status = await open_raw(attacker, owner, hello)
         await stream.write(tensor_bytes(torch.full((64,), 3.0)))
         await stream.write(b"extra bytes beyond the share")
@@ -521,16 +526,7 @@ def test_a_second_stream_from_the_same_member_is_refused(arun):
         )
         task = asyncio.ensure_future(runner.run())
         await asyncio.sleep(0)
-        hello = {
-            "v": PROTOCOL_VERSION,
-            "g": group.group_id,
-            "span": 0,
-            "w": 1.0,
-            "codec": "none",
-            "schema": tensor_schema(tensors),
-            "spans": [64, 0],
-            "part": 64,
-        }
+        hello = sender_hello(group, tensors)
         first, ok = await open_raw(caller, owner, hello)
         second, refused = await open_raw(caller, owner, hello)
         first.reset()

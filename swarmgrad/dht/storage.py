@@ -351,29 +351,8 @@ class DHTLocalStorage:
         """
         if not isinstance(key_id, DHTID):
             raise ValidationError(f"storage keys are DHTIDs, got {type(key_id).__name__}")
-        if value is not None:
-            if not isinstance(value, bytes):
-                raise ValidationError(
-                    f"a stored value is bytes or None, got {type(value).__name__} "
-                    f"for key {key_id!r}"
-                )
-            limit = self.max_value_bytes
-            if limit is not None and len(value) > limit:
-                raise StorageLimitExceeded(
-                    f"the value for key {key_id!r} is {len(value)} bytes, more than "
-                    f"max_value_bytes={limit}"
-                )
-        if subkey is not None:
-            if not isinstance(subkey, bytes):
-                raise ValidationError(
-                    f"a subkey is bytes or None, got {type(subkey).__name__} for key {key_id!r}"
-                )
-            limit = self.max_key_bytes
-            if limit is not None and len(subkey) > limit:
-                raise StorageLimitExceeded(
-                    f"a subkey of key {key_id!r} is {len(subkey)} bytes, more than "
-                    f"max_key_bytes={limit}"
-                )
+        _check_bytes(value, "a stored value", "max_value_bytes", self.max_value_bytes, key_id)
+        _check_bytes(subkey, "a subkey", "max_key_bytes", self.max_key_bytes, key_id)
         if source is not None and not isinstance(source, PeerID):
             raise ValidationError(f"a record's source is a PeerID, got {type(source).__name__}")
         now = self._time_fn()
@@ -773,4 +752,20 @@ class DHTLocalStorage:
         return (
             f"DHTLocalStorage({self._num_visible} keys, {self._num_records} records, "
             f"maxsize={self.maxsize})"
+        )
+
+
+def _check_bytes(
+    data: bytes | None, what: str, limit_name: str, limit: int | None, key_id: DHTID
+) -> None:
+    """``data`` is None or bytes within ``limit``; else an error naming the key."""
+    if data is None:
+        return
+    if not isinstance(data, bytes):
+        raise ValidationError(
+            f"{what} is bytes or None, got {type(data).__name__} for key {key_id!r}"
+        )
+    if limit is not None and len(data) > limit:
+        raise StorageLimitExceeded(
+            f"{what} of key {key_id!r} is {len(data)} bytes, more than {limit_name}={limit}"
         )
