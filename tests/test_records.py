@@ -91,3 +91,29 @@ def test_oversized_or_tiny_record_lengths_are_refused():
         records.Opener.record_length(records.LENGTH.pack(records.MAX_RECORD + 1))
     with pytest.raises(ProtocolViolation, match="shorter than its tag"):
         records.Opener.record_length(records.LENGTH.pack(records.TAG_SIZE))
+
+
+def test_large_record_buffers_are_reused_only_after_the_transport_wrote_them():
+    sealer, opener = _pair()
+    size = records.POOLED_RECORD_MIN
+    (first,) = sealer.seal(os.urandom(size))
+    snapshot = bytes(first)
+    (second,) = sealer.seal(os.urandom(size))  # nothing released yet: a new buffer
+    assert bytes(first) == snapshot
+    sealer.release(still_buffered=len(second))  # the first record has left the transport
+    (third,) = sealer.seal(os.urandom(size))
+    assert third.obj is first.obj  # reused
+    assert bytes(second) != bytes(third)
+    sealer.release(still_buffered=len(third))  # the second left; the third is still held
+    (fourth,) = sealer.seal(os.urandom(size))
+    assert fourth.obj is second.obj and fourth.obj is not third.obj
+
+
+def test_reused_buffers_still_open_correctly():
+    sealer, opener = _pair()
+    messages = [os.urandom(records.POOLED_RECORD_MIN + i) for i in range(6)]
+    opened = []
+    for message in messages:
+        sealer.release(still_buffered=0)
+        opened.append(_open_all(opener, [bytes(b) for b in sealer.seal(message)]))
+    assert opened == messages

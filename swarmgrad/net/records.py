@@ -17,6 +17,7 @@ module is pure: sealing and opening, no I/O.
 
 from __future__ import annotations
 
+import collections
 import struct
 
 from cryptography.hazmat.primitives import hashes
@@ -30,6 +31,12 @@ TAG_SIZE = 16
 LENGTH = struct.Struct(">I")
 MAX_RECORD_PLAINTEXT = 4 * 1024 * 1024
 MAX_RECORD = MAX_RECORD_PLAINTEXT + TAG_SIZE
+# Records at least this big are sealed into reused buffers; at most _SPARE_BUFFERS wait
+# for reuse per direction of a connection (a few MB on busy connections, none on the
+# mostly idle ones a DHT peer keeps).
+POOLED_RECORD_MIN = 64 * 1024
+_SPARE_BUFFERS = 8
+_TRACKED_IN_FLIGHT = 64
 _NONCE_PREFIX = b"\x00\x00\x00\x00"
 _LABEL = b"swarmgrad records v1"
 
@@ -45,27 +52,62 @@ def derive_keys(dialer_share: bytes, listener_share: bytes) -> tuple[bytes, byte
 
 
 class Sealer:
-    """Protects outgoing plaintext as a sequence of records."""
+    """Protects outgoing plaintext as a sequence of records.
+
+    Large records are sealed into reused buffers (``encrypt_into``): allocating a fresh
+    zero-filled buffer per megabyte record cost a quarter of the sealing time. The caller
+    writes the buffers to a transport in order and, before sealing more, tells
+    :meth:`release` how many bytes that transport still buffers: a buffer is reused only
+    once every byte of it has left the transport.
+    """
 
     def __init__(self, key: bytes):
         self._aead = AESGCM(key)
         self._counter = 0
+        self._sealed_bytes = 0  # bytes of every record returned so far
+        self._in_flight: collections.deque[tuple[int, bytearray]] = collections.deque()
+        self._spare: list[bytearray] = []
 
-    def seal(self, plaintext: bytes | bytearray | memoryview) -> list[bytes]:
+    def seal(self, plaintext: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
         """Records for plaintext (split at MAX_RECORD_PLAINTEXT), as buffers to write."""
         view = memoryview(plaintext).cast("B")
-        out: list[bytes] = []
+        out: list[bytes | memoryview] = []
         for start in range(0, len(view), MAX_RECORD_PLAINTEXT):
             chunk = view[start : start + MAX_RECORD_PLAINTEXT]
             prefix = LENGTH.pack(len(chunk) + TAG_SIZE)
             nonce = _NONCE_PREFIX + self._counter.to_bytes(8, "big")
             self._counter += 1
-            sealed = self._aead.encrypt(nonce, chunk, prefix)
-            if len(chunk) < 64 * 1024:
-                out.append(prefix + sealed)
-            else:
-                out.extend((prefix, sealed))
+            size = LENGTH.size + len(chunk) + TAG_SIZE
+            self._sealed_bytes += size
+            if len(chunk) < POOLED_RECORD_MIN:
+                out.append(prefix + self._aead.encrypt(nonce, chunk, prefix))
+                continue
+            record = memoryview(self._take(size))[:size]
+            record[: LENGTH.size] = prefix
+            self._aead.encrypt_into(nonce, chunk, prefix, record[LENGTH.size :])
+            out.append(record)
         return out
+
+    def release(self, still_buffered: int) -> None:
+        """The transport still holds the last ``still_buffered`` bytes written: buffers
+        entirely before them are free to reuse."""
+        written_out = self._sealed_bytes - still_buffered
+        while self._in_flight and self._in_flight[0][0] <= written_out:
+            _, buffer = self._in_flight.popleft()
+            if len(self._spare) < _SPARE_BUFFERS:
+                self._spare.append(buffer)
+
+    def _take(self, size: int) -> bytearray:
+        for index, buffer in enumerate(self._spare):
+            if size <= len(buffer) <= 4 * size:
+                del self._spare[index]
+                break
+        else:
+            buffer = bytearray(size)
+        if len(self._in_flight) >= _TRACKED_IN_FLIGHT:  # a slow reader: stop tracking the
+            self._in_flight.popleft()  # oldest, the transport frees it when written
+        self._in_flight.append((self._sealed_bytes, buffer))
+        return buffer
 
 
 class Opener:

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 # while a connection is busy, up to what the largest record needs.
 _INITIAL_RX_BUFFER = 64 * 1024
 _MAX_TLS_RX_BUFFER = 1024 * 1024
+_MAX_RX_BUFFER = records.MAX_RECORD + records.LENGTH.size  # FAST mode: one largest record
 _HIGH_WATER = 4 * 1024 * 1024  # outgoing ciphertext buffered in the lower transport
 _LOW_WATER = 1024 * 1024
 # Writes smaller than this are corked: gathered and sealed as one record at the end of the
@@ -223,8 +224,8 @@ class TLSLayer(asyncio.BufferedProtocol):
         if self._mode is _Mode.FAST:
             lower = self._lower
             if lower is not None and not lower.is_closing():
-                for part in self._sealer.seal(data):
-                    lower.write(part)
+                self._sealer.release(lower.get_write_buffer_size())
+                lower.writelines(self._sealer.seal(data))
             return
         try:
             self._ssl.write(data)
@@ -352,10 +353,9 @@ class TLSLayer(asyncio.BufferedProtocol):
             return
         if pos == end:
             pos = end = 0
-        wanted = max(needed, 2 * len(view) if busy else 0)
+        wanted = max(needed, min(2 * len(view), _MAX_RX_BUFFER) if busy else 0)
         if wanted > len(view):  # a bigger record is coming, or the connection is busy
-            wanted = min(max(wanted, needed), records.MAX_RECORD + records.LENGTH.size)
-            grown = bytearray(max(wanted, needed))
+            grown = bytearray(wanted)
             grown[: end - pos] = view[pos:end]
             self._rx, self._rx_view = grown, memoryview(grown)
             pos, end = 0, end - pos
