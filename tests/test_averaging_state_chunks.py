@@ -3,13 +3,17 @@ without any network."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import random
 
+import msgpack
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarmgrad.averaging import state_chunks
 from swarmgrad.averaging.state_chunks import (
     CorruptChunk,
     StateAssembler,
@@ -23,9 +27,16 @@ from swarmgrad.averaging.state_protocol import (
     parse_declarations,
 )
 from swarmgrad.averaging.state_scheduler import ChunkScheduler
+from swarmgrad.compression import (
+    CompressionType,
+    Float16Compression,
+    NoCompression,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
 from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.net.identity import Identity
-from swarmgrad.utils.errors import ProtocolViolation, ValidationError
+from swarmgrad.utils.errors import CodecError, ProtocolViolation, ValidationError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 
@@ -300,3 +311,248 @@ def test_declarations_are_parsed_leniently_and_ordered_best_first():
         assert {r.peer_id for r in ordered[:2]} == {ids[1], ids[3]}
         assert [r.peer_id for r in ordered[2:]] == [ids[2], ids[0]]
     assert parse_declarations(None) == []
+
+
+# ---------------------------------------------------------------------- state compression
+
+
+def assemble(snapshot: StateSnapshot, seed: int = 0) -> tuple[StateAssembler, list[int]]:
+    """Every chunk of ``snapshot`` into a fresh assembler, in random order; returns it and
+    the encoded tensors in the order :meth:`StateAssembler.finish` reported them ready."""
+    manifest = StateManifest.from_wire(snapshot.manifest.to_wire(), source="test")
+    assembler = StateAssembler(manifest)
+    order = list(range(manifest.num_chunks))
+    random.Random(seed).shuffle(order)
+    ready = []
+    for index in order:
+        assembler.write(index, snapshot.chunk(index))
+        ready += assembler.finish(index)
+    return assembler, ready
+
+
+def exact_and_mixed_state() -> list[torch.Tensor]:
+    rng = random.Random(5)
+    return [
+        random_tensor(rng, torch.float32, (40, 50)),
+        random_tensor(rng, torch.int64, (9,)),
+        random_tensor(rng, torch.bool, (13,)),
+        torch.zeros(0),
+        random_tensor(rng, torch.float64, (300,)),
+        random_tensor(rng, torch.uint8, (5, 5)),
+    ]
+
+
+def test_float16_state_compression_halves_the_bytes_and_decodes_to_half_precision():
+    tensors = exact_and_mixed_state()
+    exact = StateSnapshot.build({"step": 3}, tensors, 1024)
+    half = StateSnapshot.build({"step": 3}, tensors, 1024, compression=Float16Compression())
+    float_bytes = sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point())
+    assert exact.manifest.total_bytes == exact.manifest.decoded_bytes
+    assert half.manifest.decoded_bytes == exact.manifest.total_bytes
+    # float tensors cost half (float32) or a quarter (float64), the rest is unchanged
+    saved = 40 * 50 * 2 + 300 * 6
+    assert half.manifest.total_bytes == exact.manifest.total_bytes - saved
+    assert half.manifest.total_bytes < exact.manifest.total_bytes - float_bytes // 2
+    assert half.manifest.encoded == [0, 4]  # not the empty float tensor, nor ints and bools
+    assembler, ready = assemble(half)
+    assert sorted(ready) == [0, 4] == assembler.pending
+    assembler.decode(ready)
+    assert assembler.pending == []
+    metadata, got = assembler.result(half.metadata)
+    assert metadata == {"step": 3}
+    for original, decoded in zip(tensors, got, strict=True):
+        assert decoded.dtype == original.dtype and decoded.shape == original.shape
+        expected = original.half().to(original.dtype) if original.is_floating_point() else original
+        assert torch.equal(decoded, expected)
+
+
+def test_an_8bit_codec_round_trips_within_its_documented_error():
+    tensors = exact_and_mixed_state()
+    snapshot = StateSnapshot.build({}, tensors, 1024, compression="blockwise_8bit")
+    assert snapshot.manifest.total_bytes < snapshot.manifest.decoded_bytes * 0.4
+    _, got = assemble(snapshot)[0].result(snapshot.metadata)
+    for original, decoded in zip(tensors, got, strict=True):
+        assert decoded.dtype == original.dtype and decoded.shape == original.shape
+        if original.is_floating_point() and original.numel():
+            # docs/compression.md: within 0.69% of the block's absolute maximum
+            bound = 0.0069 * float(original.abs().max())
+            assert float((decoded.double() - original.double()).abs().max()) <= bound
+        else:
+            assert torch.equal(decoded, original)  # ints, bools and empty tensors: exact
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    specs=st.lists(st.tuples(st.sampled_from(DTYPES), shapes), max_size=6),
+    codec=st.sampled_from([c for c in CompressionType if c != CompressionType.NONE]),
+    chunk_size=st.integers(1024, 3000),
+    seed=st.integers(0, 1000),
+)
+def test_any_state_with_any_codec_decodes_to_what_the_codec_gives(specs, codec, chunk_size, seed):
+    rng = random.Random(seed)
+    tensors = [random_tensor(rng, dtype, shape) for dtype, shape in specs]
+    snapshot = StateSnapshot.build({"seed": seed}, tensors, chunk_size, compression=codec)
+    again = StateSnapshot.build({"seed": seed}, tensors, chunk_size, compression=codec)
+    assert again.manifest == snapshot.manifest  # deterministic: donors agree on manifests
+    assembler, ready = assemble(snapshot, seed)
+    assert sorted(ready) == snapshot.manifest.encoded
+    _, got = assembler.result(snapshot.metadata)
+    for original, decoded in zip(tensors, got, strict=True):
+        expected = deserialize_torch_tensor(serialize_torch_tensor(original, codec))
+        assert decoded.dtype == original.dtype and decoded.shape == original.shape
+        assert torch.equal(decoded, expected)
+
+
+def test_no_compression_keeps_the_manifest_byte_for_byte():
+    tensors = [
+        torch.arange(600, dtype=torch.float32).reshape(20, 30),
+        torch.arange(5),
+        torch.zeros(0),
+        torch.arange(33).to(torch.bfloat16),
+        torch.tensor(3.5),
+        torch.arange(7) % 2 == 0,
+    ]
+    # the figures of this state's manifest before manifests could describe encodings
+    wire = msgpack.packb(StateSnapshot.build({"epoch": 0}, tensors, 1024).manifest.to_wire())
+    assert hashlib.sha256(wire).hexdigest().startswith("bb7d6368a2c843738005cee2aed3b506")
+    for compression in (None, "none", CompressionType.NONE, NoCompression()):
+        manifest = StateSnapshot.build({"epoch": 0}, tensors, 1024, compression=compression)
+        assert msgpack.packb(manifest.manifest.to_wire()) == wire
+        assert manifest.manifest.root_digest.hex().startswith("566172765dbe1e995b588ada147f26a7")
+    with pytest.raises(ValidationError, match="unknown compression 'float17'"):
+        StateSnapshot.build({}, tensors, 1024, compression="float17")
+
+
+def test_donors_with_other_codecs_have_other_layouts_and_share_no_chunks():
+    tensors = exact_and_mixed_state()
+    half = StateSnapshot.build({}, tensors, 1024, compression="float16").manifest
+    bf16 = StateSnapshot.build({}, tensors, 1024, compression="bfloat16").manifest
+    exact = StateSnapshot.build({}, tensors, 1024).manifest
+    assert half.total_bytes == bf16.total_bytes  # same sizes, yet never mixed:
+    assert half.layout != bf16.layout and half.layout != exact.layout
+    assert len({half.root_digest, bf16.root_digest, exact.root_digest}) == 3
+    first = StateAssembler(half)
+    assert StateAssembler(bf16).adopt(first) == 0
+
+
+def test_a_codec_that_cannot_take_a_tensor_leaves_it_exact(caplog):
+    class Broken(Float16Compression):
+        def encode(self, tensor):
+            if tensor.numel() == 300:
+                raise CodecError("this codec dislikes 300 elements")
+            return super().encode(tensor)
+
+    tensors = exact_and_mixed_state()
+    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.state_chunks"):
+        snapshot = StateSnapshot.build({}, tensors, 1024, compression=Broken())
+    assert snapshot.manifest.encoded == [0]
+    assert any("state tensor 4 travels exact" in r.getMessage() for r in caplog.records)
+    _, got = assemble(snapshot)[0].result(snapshot.metadata)
+    assert torch.equal(got[4], tensors[4]) and torch.equal(got[0], tensors[0].half().float())
+
+
+def encoded_manifest_wire() -> dict:
+    tensors = [torch.randn(100, 3), torch.arange(4), torch.randn(50)]
+    return StateSnapshot.build({}, tensors, 1024, compression="uniform_8bit").manifest.to_wire()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda e: e.update(codec="float17"), "tensor 2: unknown codec 'float17'"),
+        (lambda e: e.update(codec="none"), "tensor 2: codec 'none' is not the name of a lossy"),
+        (lambda e: e.pop("params"), "tensor 2: codec params must be a dict"),
+        (lambda e: e["params"].pop("step"), "tensor 2: .*parameter 'step'"),
+        (lambda e: e["params"].update(step=float("nan")), "tensor 2: .*parameter 'step'"),
+        (lambda e: e["params"].update(junk="x" * 300), "tensor 2: codec params take"),
+        (lambda e: e["params"].update(junk=[1, 2]), "tensor 2: codec params must be a dict"),
+        (lambda e: e.update(nbytes=49), "tensor 2: .*must have 50 bytes, header announces 49"),
+        (lambda e: e.update(nbytes=None), "tensor 2: .*header announces None"),
+        (lambda e: e.clear(), "tensor 2: .*not the name of a lossy codec"),
+    ],
+)
+def test_malformed_tensor_encodings_are_refused_naming_the_tensor(change, message):
+    wire = encoded_manifest_wire()
+    assert len(wire["tensors"][2]) == 3
+    change(wire["tensors"][2][2])
+    with pytest.raises(ProtocolViolation, match=f"from donor-3: {message}"):
+        StateManifest.from_wire(wire, source="donor-3")
+
+
+def test_other_malformed_encodings_are_refused_naming_the_tensor():
+    wire = encoded_manifest_wire()
+    wire["tensors"][1].append({"codec": "float16", "params": {}, "nbytes": 8})  # an int64
+    with pytest.raises(ProtocolViolation, match="tensor 1: codec 'float16' applies to float"):
+        StateManifest.from_wire(wire, source="donor-3")
+    wire = encoded_manifest_wire()
+    wire["tensors"][0].append("extra")
+    with pytest.raises(ProtocolViolation, match=r"tensor 0: expected \[dtype, shape\]"):
+        StateManifest.from_wire(wire, source="donor-3")
+    wire = encoded_manifest_wire()
+    wire["tensors"][2] = ["float32", [50], "float16"]
+    with pytest.raises(ProtocolViolation, match="tensor 2: the encoding must be a dict"):
+        StateManifest.from_wire(wire, source="donor-3")
+
+
+def test_the_size_limit_counts_decoded_tensors_and_encoded_payloads():
+    numel = 1 << 20
+    encoding = {"codec": "float16", "params": {}, "nbytes": 2 * numel}
+    wire = {
+        "v": 1,
+        "tensors": [["float32", [numel], encoding]],
+        "chunk_size": 1 << 20,
+        "digests": b"\x00" * 64,
+        "metadata_digest": b"\x00" * 32,
+        "metadata_size": 0,
+    }
+    manifest = StateManifest.from_wire(wire, source="d", max_state_bytes=6 * numel)
+    assert (manifest.total_bytes, manifest.decoded_bytes) == (2 * numel, 4 * numel)
+    assert manifest.allocation_bytes == 6 * numel
+    # the 2 MiB on the wire fit a 5 MiB limit, but the download would allocate 6 MiB
+    with pytest.raises(
+        ProtocolViolation,
+        match=r"larger than the limit of 5242880 bytes .* tensor 0 \(float32\[1048576\] as float16",
+    ):
+        StateManifest.from_wire(wire, source="d", max_state_bytes=5 * numel)
+    # a codebook payload for an empty tensor still counts
+    quantile = {"codec": "quantile_8bit", "params": {}, "nbytes": 1024}
+    wire.update(tensors=[["float32", [0], quantile]] * 3, digests=b"\x00" * 96)
+    with pytest.raises(ProtocolViolation, match="larger than the limit of 3000 bytes"):
+        StateManifest.from_wire(wire, source="d", max_state_bytes=3000)
+
+
+def test_a_payload_that_decodes_to_another_shape_is_a_violation_naming_donor_and_tensor(
+    monkeypatch,
+):
+    tensors = exact_and_mixed_state()
+    snapshot = StateSnapshot.build({}, tensors, 1024, compression="float16")
+    assembler, ready = assemble(snapshot)
+    real = state_chunks.deserialize_torch_tensor
+    monkeypatch.setattr(
+        state_chunks, "deserialize_torch_tensor", lambda s: real(s).reshape(-1)[:-1]
+    )
+    with pytest.raises(
+        ProtocolViolation,
+        match=r"tensor 0 of the state from peer Q decodes to float32\[1999\], "
+        r"the manifest says float32\[40, 50\]",
+    ):
+        assembler.decode(ready, "peer Q")
+    monkeypatch.setattr(state_chunks, "deserialize_torch_tensor", lambda s: real(s).double())
+    with pytest.raises(ProtocolViolation, match=r"tensor 0 .* decodes to float64\[40, 50\]"):
+        assembler.result(snapshot.metadata, "peer Q")
+    monkeypatch.setattr(state_chunks, "deserialize_torch_tensor", real)
+    assert torch.equal(assembler.result(snapshot.metadata)[1][0], tensors[0].half().float())
+
+
+def test_a_tensor_is_not_decoded_before_all_its_chunks_are_in():
+    tensors = [torch.randn(3000)]
+    snapshot = StateSnapshot.build({}, tensors, 1024, compression="float16")
+    assert snapshot.manifest.num_chunks == 6
+    assembler = StateAssembler(snapshot.manifest)
+    for index in range(5):
+        assembler.write(index, snapshot.chunk(index))
+        assert assembler.finish(index) == []
+    with pytest.raises(ValidationError, match="tensor 0 cannot be decoded: chunks are missing"):
+        assembler.decode([0])
+    assembler.write(5, snapshot.chunk(5))
+    assert assembler.finish(5) == [0]

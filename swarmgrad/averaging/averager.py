@@ -80,7 +80,10 @@ class DecentralizedAverager:
       sender_timeout / reducer_timeout: fixed waits for the next part from a sender or
         an owner; default: adaptive to the throughput seen (see :mod:`.deadlines`).
       compression: codec for parts on the wire (both directions).
-      state_compression: accepted for compatibility; state downloads are sent exact.
+      state_compression: codec applied to the floating-point tensors of the state this
+        peer shares (e.g. ``Float16Compression()``: joiners download half the bytes and
+        get float16-rounded values back in the original dtype); integer and other
+        tensors are sent exact. Joiners decode whatever codec the donor used.
       bandwidth: this peer's bandwidth (any unit, the same for the whole run): spans are
         sized to it. None: unknown (counts as the group's mean).
       min_vector_size: a member never reduces fewer elements than this (its share goes

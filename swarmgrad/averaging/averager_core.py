@@ -51,6 +51,7 @@ from swarmgrad.averaging.deadlines import AdaptiveTimeouts
 from swarmgrad.averaging.matchmaking import Matchmaking
 from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES, tensor_schema
 from swarmgrad.averaging.round_plan import RoundPlan, RoundSkipped, encode_member_info, plan_round
+from swarmgrad.averaging.state_chunks import resolve_state_compression
 from swarmgrad.averaging.state_download import load_state_from_peers
 from swarmgrad.averaging.state_sharing import StateSharing
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
@@ -202,7 +203,8 @@ class AsyncDecentralizedAverager:
         self.sender_timeout = sender_timeout if sender_timeout is not None else next_chunk_timeout
         self.reducer_timeout = _optional_positive("reducer_timeout", reducer_timeout)
         self.compression = compression
-        self.state_compression = state_compression
+        # the codec of the snapshots this peer shares (None: exact); joiners decode any
+        self.state_compression = resolve_state_compression(state_compression)
         self.bandwidth = None if bandwidth is None else float(bandwidth)
         self.min_vector_size = min_vector_size
         self.lock = lock if lock is not None else threading.RLock()
@@ -219,7 +221,7 @@ class AsyncDecentralizedAverager:
                 allow_state_sharing=allow_state_sharing,
                 declare_state_period=declare_state_period,
                 state_lock=self.lock,
-                **(state_sharing_options or {}),
+                **{"state_compression": self.state_compression, **(state_sharing_options or {})},
             )
         self._download_options = dict(state_download_options or {})
         if self.next_chunk_timeout is not None:

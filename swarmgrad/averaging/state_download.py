@@ -16,6 +16,13 @@ donor re-fetches a chunk that a slow one has held for too long. If the target's 
 all fail, another session's state becomes the target, keeping every chunk already
 verified that it shares. The download gives up (returns None, with a log line saying
 why) when no donor is left or ``timeout`` expires.
+
+Donors may send floating-point tensors encoded with a lossy codec (their
+``state_compression``): the manifest says how, chunks are verified as always, and each
+encoded tensor is decoded into its original dtype and shape (in a worker thread) as soon
+as all of its chunks are in. A payload that does not decode to what the manifest says
+drops every donor that published that manifest. Donors using different codecs publish
+different layouts, so their chunks are never mixed in one tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import math
 import random
 import statistics
 from collections import Counter, deque
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +108,7 @@ class _Round:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     upgrade: bool = False  # a better state turned up: stop and switch to it
+    rejected: str | None = None  # the target's state does not decode: why
 
     def notify(self) -> None:
         self.changed.set()
@@ -109,8 +118,11 @@ class _Round:
 class StateDownloader:
     """One download (see the module docstring); :meth:`run` returns the state or None.
 
-    After a run, ``chunks_from`` counts the chunks each donor delivered and ``dropped``
-    says why each dropped donor was dropped.
+    After a run, ``chunks_from`` counts the chunks each donor delivered, ``dropped``
+    says why each dropped donor was dropped, ``bytes_received`` counts the chunk bytes
+    that arrived (duplicates and refused chunks included) and ``manifest`` is the manifest
+    of the state returned (its ``total_bytes`` is what the state costs on the wire, its
+    ``decoded_bytes`` what it takes in memory).
     """
 
     def __init__(
@@ -142,6 +154,8 @@ class StateDownloader:
         self.chunks_from: Counter[PeerID] = Counter()
         self.dropped: dict[PeerID, str] = {}
         self.refused: dict[PeerID, str] = {}
+        self.bytes_received = 0
+        self.manifest: StateManifest | None = None
         self._candidates: deque[tuple[int, DonorRecord]] = deque()
         self._sessions: list[_Session] = []
         self._opening: dict[asyncio.Task, DonorRecord] = {}  # manifest requests in flight
@@ -219,18 +233,34 @@ class StateDownloader:
             assembler = new
             if not await self._fetch_all(target, assembler):
                 continue
+            source = str(target.peer_id)
             try:
-                metadata, tensors = assembler.result(target.metadata)
+                # tensors completed by adopted chunks are not decoded yet
+                await asyncio.to_thread(assembler.decode, assembler.pending, source)
+                metadata, tensors = assembler.result(target.metadata, source)
             except ProtocolViolation as e:
-                self._forget(target, str(e))
+                self._reject(target, str(e))
                 continue
+            self.manifest = target.manifest
             logger.info(
-                "downloaded a state of %d bytes in %d chunks from %s",
+                "downloaded a state of %d bytes (%d decoded) in %d chunks from %s",
                 target.manifest.total_bytes,
+                target.manifest.decoded_bytes,
                 target.manifest.num_chunks,
                 ", ".join(f"{p} ({n})" for p, n in self.chunks_from.most_common()) or "-",
             )
             return metadata, tensors
+
+    def _reject(self, target: _Session, reason: str) -> None:
+        """The target's state is unusable (it does not decode): drop every donor that
+        published the same manifest, since they all serve the same bytes."""
+        for session in self._live():
+            if (
+                session is not target
+                and session.manifest.root_digest == target.manifest.root_digest
+            ):
+                self._forget(session, f"serves the same state as {target.peer_id}: {reason}")
+        self._forget(target, reason)
 
     def _forget(self, session: _Session, reason: str) -> None:
         session.alive = False
@@ -363,6 +393,9 @@ class StateDownloader:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        if round_.rejected is not None:
+            self._reject(target, round_.rejected)
+            return False
         return assembler.complete
 
     def _add_donor(self, round_: _Round, session: _Session) -> None:
@@ -448,6 +481,7 @@ class StateDownloader:
         try:
             answer = fetch.result()
             parts = self._parts_of(answer, donor, chunk)
+            self.bytes_received += sum(len(p) for p in parts if isinstance(p, Sized))
             if chunk in round_.assembler.done:
                 return
             await asyncio.to_thread(round_.assembler.write, chunk, parts, str(donor))
@@ -467,7 +501,17 @@ class StateDownloader:
             return
         if chunk in round_.assembler.done:
             return
-        round_.assembler.done.add(chunk)
+        ready = round_.assembler.finish(chunk)
+        if ready:
+            # Decode before the scheduler hears of the chunk: the round cannot end (and
+            # the result cannot be read) while a tensor is half decoded.
+            source = str(round_.target.peer_id)
+            try:
+                await asyncio.to_thread(round_.assembler.decode, ready, source)
+            except ProtocolViolation as e:
+                round_.rejected = str(e)
+                round_.finished.set()
+                return
         for other in round_.scheduler.finish(chunk, donor):
             duplicate = round_.fetches.get((other, chunk))
             if duplicate is not None:

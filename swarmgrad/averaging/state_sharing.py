@@ -19,7 +19,13 @@ declares the peer as a donor under ``<prefix>.all_averagers`` (see
 ``<prefix>.state.release`` ``{"session": bytes}``
     Ends a session early (a finished downloader frees its slot).
 
-Everything runs on the event loop except the snapshot copy and hashing and a synchronous
+With ``state_compression`` (a codec, e.g. ``Float16Compression()``, or its name) the
+snapshot's floating-point tensors are encoded with it after they are copied (outside the
+owner's lock) and the chunks carry the encoded bytes: a joiner downloads less and decodes
+each tensor back to its dtype and shape (see :mod:`~swarmgrad.averaging.state_chunks`).
+Other tensors, and any the codec cannot take, are sent exact.
+
+Everything runs on the event loop except the snapshot copy, encoding and hashing and a synchronous
 ``get_state`` callable, which run in a worker thread: a donor keeps averaging and
 answering other RPCs while it serves downloads. Sessions end after ``session_idle_timeout``
 seconds without a request and at the latest ``max_session_time`` after they began.
@@ -39,7 +45,13 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.state_chunks import DEFAULT_CHUNK_SIZE, StateSnapshot, freeze_state
+from swarmgrad.averaging.state_chunks import (
+    DEFAULT_CHUNK_SIZE,
+    StateCompression,
+    StateSnapshot,
+    freeze_state,
+    resolve_state_compression,
+)
 from swarmgrad.averaging.state_protocol import (
     BUSY,
     EXPIRED,
@@ -107,6 +119,9 @@ class StateSharing:
     a half-updated state; hashing follows outside the lock. (A ``get_state`` that takes
     the same lock itself needs a reentrant lock, ``threading.RLock``.)
 
+    ``state_compression`` (default: none) encodes the floating-point tensors of each
+    snapshot, after the copy and outside the lock (see the module docstring).
+
     Call :meth:`start` on the event loop, and ``await shutdown()`` to withdraw.
     """
 
@@ -127,6 +142,7 @@ class StateSharing:
         snapshot_reuse_period: float = 5.0,
         copy_state: bool = True,
         state_lock: contextlib.AbstractContextManager | None = None,
+        state_compression: StateCompression = None,
     ):
         if declare_state_period <= 0 or session_idle_timeout <= 0 or max_session_time <= 0:
             raise ValidationError("state sharing periods and timeouts must be positive")
@@ -146,6 +162,7 @@ class StateSharing:
         self.snapshot_reuse_period = snapshot_reuse_period
         self.copy_state = copy_state
         self.state_lock = state_lock
+        self.state_compression = resolve_state_compression(state_compression)
         self.rpc = StateRPC.for_prefix(prefix)
         self.key = declaration_key(prefix)
         self.stats = SharingStats()
@@ -305,7 +322,10 @@ class StateSharing:
         else:
             frozen = await asyncio.to_thread(self._get_and_freeze)
         snapshot = await asyncio.to_thread(
-            StateSnapshot.from_frozen, *frozen, self.chunk_size_bytes
+            StateSnapshot.from_frozen,
+            *frozen,
+            self.chunk_size_bytes,
+            compression=self.state_compression,
         )
         self._snapshot = _Frozen(self._loop.time(), priority, snapshot)
         self.stats.snapshots_taken += 1
