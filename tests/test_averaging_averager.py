@@ -17,6 +17,7 @@ from swarmgrad.averaging.averager import DecentralizedAverager
 from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager
 from swarmgrad.averaging.moshpit_sim import build_dht_swarm
 from swarmgrad.averaging.step_control import AveragingStage
+from swarmgrad.compression import Float16Compression
 from swarmgrad.dht import DHT
 from swarmgrad.net.sim import run_simulation
 from swarmgrad.utils.errors import ValidationError
@@ -531,3 +532,25 @@ def test_facade_settings_before_start_and_unknown_options(dhts):
             averager.set_group_bits("012")
     assert not averager.is_alive()
     averager.shutdown()  # idempotent
+
+
+def test_state_compression_is_applied_to_the_state_a_joining_peer_downloads(dhts):
+    with pytest.raises(ValidationError, match="unknown compression 'float17'"):
+        DecentralizedAverager(
+            [torch.zeros(2)], dhts[0], start=False, prefix="x", state_compression="float17"
+        )
+    donor_tensors = tensors_of(95)  # float32, float64, float16
+    donor = facade(donor_tensors, dhts[0], state_compression=Float16Compression())
+    newcomer = facade([torch.zeros_like(t) for t in donor_tensors], dhts[1])
+    try:
+        state = None
+        deadline = time.monotonic() + 60
+        while state is None and time.monotonic() < deadline:  # until the declaration lands
+            state = newcomer.load_state_from_peers(timeout=10)
+        _, tensors = state
+        for got, sent in zip(tensors, donor_tensors, strict=True):
+            assert got.dtype == sent.dtype and torch.equal(got, sent.half().to(sent.dtype))
+        assert not torch.equal(tensors[0], donor_tensors[0])  # it was rounded on the way
+    finally:
+        for averager in (donor, newcomer):
+            averager.shutdown()

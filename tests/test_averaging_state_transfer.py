@@ -587,3 +587,123 @@ def test_donors_keep_answering_other_calls_while_they_snapshot_and_serve(arun):
     assert same_state(result, state)
     assert all(name not in ("MainThread", "swarmgrad-loop") for name in called_from)
     assert 13 - 2 * 3 <= delivered_mid_download < sum(chunks_from.values())
+
+
+# ---------------------------------------------------------------------- state compression
+
+
+def half_precision(state):
+    """What a float16-compressed download of ``state`` gives back."""
+    metadata, tensors = state
+    return metadata, [t.half().to(t.dtype) if t.is_floating_point() else t for t in tensors]
+
+
+def test_a_float16_state_moves_half_the_bytes_from_several_donors():
+    state = make_state(11)
+    raw_bytes = sum(t.numel() * t.element_size() for t in state[1])
+
+    async def main(network):
+        nodes = await start_nodes(network, 4, random.Random(11))
+        donors = [share(node, state, state_compression="float16") for node in nodes[1:3]]
+        await asyncio.sleep(1)
+        downloader = StateDownloader(nodes[3].peer, nodes[3], prefix=PREFIX)
+        result = await downloader.run(timeout=30)
+        served = sum(d.stats.bytes_served for d in donors)
+        await stop(donors, nodes)
+        return result, downloader, served
+
+    result, downloader, served = run_simulation(main, latency=0.01, check_leftover_tasks=True)
+    assert same_state(result, half_precision(state))
+    manifest = downloader.manifest
+    assert manifest.decoded_bytes == raw_bytes
+    # float32 and float16 tensors cost 2 bytes per value, the int64 one stays exact
+    assert manifest.total_bytes == 20_000 * 2 + 17 * 8 + 15 * 2
+    assert downloader.bytes_received == served == manifest.total_bytes  # each chunk once
+    assert downloader.bytes_received < 0.51 * raw_bytes
+    assert len(downloader.chunks_from) == 2  # identical manifests: both donors served
+
+
+def test_a_corrupt_compressed_chunk_is_refused_and_fetched_from_another_donor():
+    state = make_state(12)
+
+    class LyingDonor(StateSharing):
+        def _chunk_parts(self, snapshot, index):
+            data = bytearray(b"".join(snapshot.chunk(index)))
+            data[len(data) // 3] ^= 0x10
+            return [data]
+
+    async def main(network):
+        nodes = await start_nodes(network, 4, random.Random(12))
+        liar = share(nodes[1], state, LyingDonor, priority=5.0, state_compression="float16")
+        honest = share(nodes[2], state, priority=5.0, state_compression="float16")
+        await asyncio.sleep(1)
+        downloader = StateDownloader(nodes[3].peer, nodes[3], prefix=PREFIX)
+        result = await downloader.run(timeout=30)
+        await stop([liar, honest], nodes)
+        return result, downloader, liar.peer.peer_id, liar.stats.chunks_served
+
+    result, downloader, liar_id, lies = run_simulation(main, latency=0.01)
+    assert lies >= 1  # the liar did send (compressed) chunks, and all were refused
+    assert same_state(result, half_precision(state))
+    assert "does not match its digest" in downloader.dropped[liar_id]
+    assert liar_id not in downloader.chunks_from
+
+
+def test_a_donor_with_another_codec_does_not_corrupt_the_download():
+    state = make_state(13)
+
+    async def main(network):
+        nodes = await start_nodes(network, 5, random.Random(13))
+        donors = [share(node, state, state_compression="float16") for node in nodes[1:3]]
+        other = share(nodes[3], state, state_compression="blockwise_8bit")
+        await asyncio.sleep(1)
+        downloader = StateDownloader(nodes[4].peer, nodes[4], prefix=PREFIX)
+        result = await downloader.run(timeout=30)
+        await stop([*donors, other], nodes)
+        return result, downloader, other.peer.peer_id, other.stats.chunks_served
+
+    result, downloader, other_id, other_served = run_simulation(main, latency=0.01)
+    # two donors share the float16 manifest: it is the target, and the third donor's
+    # chunks (another layout) are never fetched into it
+    assert same_state(result, half_precision(state))
+    assert other_served == 0 and other_id not in downloader.chunks_from
+    assert len(downloader.chunks_from) == 2
+
+
+def test_a_state_that_does_not_decode_drops_its_donors_and_another_state_is_used(monkeypatch):
+    from swarmgrad.averaging import state_chunks
+
+    state = make_state(14)
+    real = state_chunks.deserialize_torch_tensor
+
+    def broken_for_bfloat16(serialized):
+        value = real(serialized)
+        broken = serialized.codec == "bfloat16" and serialized.numel == 20_000
+        return value[:-1] if broken else value
+
+    monkeypatch.setattr(state_chunks, "deserialize_torch_tensor", broken_for_bfloat16)
+
+    async def main(network):
+        nodes = await start_nodes(network, 5, random.Random(14))
+        bad = [
+            share(node, state, priority=9.0, state_compression="bfloat16") for node in nodes[1:3]
+        ]
+        good = share(nodes[3], state, priority=1.0, state_compression="float16")
+        await asyncio.sleep(1)
+        downloader = StateDownloader(nodes[4].peer, nodes[4], prefix=PREFIX)
+        result = await downloader.run(timeout=30)
+        await stop([*bad, good], nodes)
+        return result, downloader, [b.peer.peer_id for b in bad]
+
+    result, downloader, bad_ids = run_simulation(main, latency=0.01, check_leftover_tasks=True)
+    assert same_state(result, half_precision(state))
+    reasons = {peer: downloader.dropped[peer] for peer in bad_ids}
+    # the state of the first target (either of the two) does not decode; the other donor
+    # of the same manifest is dropped with it, and the float16 donor's state is used
+    target = next(p for p, r in reasons.items() if r.startswith("tensor 0 of the state"))
+    (other,) = set(bad_ids) - {target}
+    assert reasons[target] == (
+        f"tensor 0 of the state from {target} decodes to float32[19999], "
+        "the manifest says float32[20000]"
+    )
+    assert reasons[other] == f"serves the same state as {target}: {reasons[target]}"

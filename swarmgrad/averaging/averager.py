@@ -31,6 +31,7 @@ import torch
 from swarmgrad.averaging.allreduce import AllReduceResult, AveragingMode
 from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager, check_averaged_tensors
 from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from swarmgrad.averaging.state_chunks import resolve_state_compression
 from swarmgrad.averaging.step_control import StepControl
 from swarmgrad.compression import CompressionBase, CompressionType, NoCompression
 from swarmgrad.dht.dht import DHT
@@ -152,7 +153,7 @@ class DecentralizedAverager:
             sender_timeout=sender_timeout,
             reducer_timeout=reducer_timeout,
             compression=compression,
-            state_compression=state_compression,
+            state_compression=resolve_state_compression(state_compression),  # fails early
             bandwidth=bandwidth,
             min_vector_size=min_vector_size,
             auxiliary=auxiliary,
