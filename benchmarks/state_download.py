@@ -15,8 +15,15 @@ On a 2-core machine the donors and the downloader share the cores, so more donor
 mean more CPU; the multi-donor figure shows the overhead of splitting a download, not the
 speed-up over slow uplinks it exists for.
 
+``--state-compression NAME`` (a codec name such as ``float16``; default ``none``) makes
+the donors share the state encoded with that codec; the downloaded values are then
+checked against the codec's own round trip, and the raw RPC still sends the exact state.
+The bytes on the wire (the manifest's size, and the chunk bytes the downloader received)
+are printed with the decoded size.
+
 Output: a table, then one JSON line:
-``{"results": [{"donors": 1, "ours_s": ..., "raw_rpc_s": ..., "ratio": ...}, ...]}``.
+``{"state_compression": ..., "transferred_bytes": ..., "decoded_bytes": ...,
+"results": [{"donors": 1, "ours_s": ..., "raw_rpc_s": ..., "ratio": ...}, ...]}``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import time
 import torch
 
 from swarmgrad.averaging.state_transfer import StateDownloader, StateSharing
+from swarmgrad.compression import deserialize_torch_tensor, get_codec, serialize_torch_tensor
 from swarmgrad.dht import DHT
 from swarmgrad.net.rpc import Blob
 from swarmgrad.utils.loop_thread import run_coroutine
@@ -63,6 +71,7 @@ def run_donor(args: argparse.Namespace) -> None:
             get_state=lambda: ({"step": 1}, tensors),
             priority=1,
             chunk_size_bytes=int(args.chunk_mib * 1024 * 1024),
+            state_compression=args.state_compression,
         )
         sharing.start()
         node.peer.add_handler(RAW, raw)
@@ -81,6 +90,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="donors' chunk size")
     parser.add_argument("--in-flight", type=int, default=3, help="chunks in flight per donor")
+    parser.add_argument(
+        "--state-compression",
+        default="none",
+        help="codec the donors apply to the state (none, float16, bfloat16, uniform_8bit, ...)",
+    )
     parser.add_argument("--donor", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--initial-peer", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -92,7 +106,8 @@ def main() -> None:
     donors = [
         subprocess.Popen(
             [sys.executable, __file__, "--donor", "--initial-peer", address,
-             "--megabytes", str(args.megabytes), "--chunk-mib", str(args.chunk_mib)],
+             "--megabytes", str(args.megabytes), "--chunk-mib", str(args.chunk_mib),
+             "--state-compression", args.state_compression],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
@@ -105,8 +120,13 @@ def main() -> None:
             if not line.startswith("READY"):
                 raise SystemExit(f"a donor failed to start: {line!r}")
             donor_ids.append(line.split()[1])
-        expected = make_state(args.megabytes)
+        codec = get_codec(args.state_compression)  # an unknown name fails here, clearly
+        expected = [
+            deserialize_torch_tensor(serialize_torch_tensor(t, codec))
+            for t in make_state(args.megabytes)
+        ]
         time.sleep(1.0)  # let the declarations settle
+        transfer = {}
 
         def download(max_donors: int) -> float:
             async def go(_dht, node):
@@ -122,6 +142,11 @@ def main() -> None:
                 elapsed = time.perf_counter() - started
                 assert result is not None, "the download failed"
                 assert all(torch.equal(a, b) for a, b in zip(result[1], expected, strict=True))
+                transfer.update(
+                    transferred_bytes=downloader.manifest.total_bytes,
+                    received_bytes=downloader.bytes_received,
+                    decoded_bytes=downloader.manifest.decoded_bytes,
+                )
                 return elapsed, len(downloader.chunks_from)
 
             elapsed, used = dht.run_coroutine(go)
@@ -155,14 +180,20 @@ def main() -> None:
             )  # fmt: skip
         print(
             f"state: {args.megabytes} MB in 16 float32 tensors, chunks of {args.chunk_mib} MiB, "
-            f"{args.in_flight} in flight per donor, loopback"
+            f"{args.in_flight} in flight per donor, loopback, "
+            f"state_compression={args.state_compression}"
+        )
+        print(
+            f"bytes on the wire: {transfer['transferred_bytes']} (last download received "
+            f"{transfer['received_bytes']} chunk bytes), decoded: {transfer['decoded_bytes']}"
         )
         print(f"first download (donor takes its snapshot): {first:.3f} s")
         print(f"{'donors':>6} {'ours (s)':>9} {'raw RPC (s)':>12} {'ratio':>6}")
         for row in rows:
             ours, raw, ratio = row["ours_s"], row["raw_rpc_s"], row["ratio"]
             print(f"{row['donors']:>6} {ours:>9.3f} {raw:>12.3f} {ratio:>6.2f}")
-        print(json.dumps({"first_download_s": round(first, 3), "results": rows}))
+        summary = {"state_compression": args.state_compression, **transfer}
+        print(json.dumps({**summary, "first_download_s": round(first, 3), "results": rows}))
     finally:
         for proc in donors:
             if proc.stdin:
