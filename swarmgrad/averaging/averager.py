@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -138,7 +139,15 @@ class DecentralizedAverager:
         self._averaged_tensors = tuple(check_averaged_tensors(averaged_tensors))
         self.lock_averaged_tensors = threading.RLock()
         self.client_mode = dht.client_mode if client_mode is None else bool(client_mode)
-        self.shutdown_timeout = shutdown_timeout
+        if (
+            isinstance(shutdown_timeout, bool)
+            or not isinstance(shutdown_timeout, int | float)
+            or not 0 < shutdown_timeout < math.inf
+        ):  # else shutdown() would give up at once and leave the averager half stopped
+            raise ValidationError(
+                f"shutdown_timeout must be a positive number of seconds, got {shutdown_timeout!r}"
+            )
+        self.shutdown_timeout = float(shutdown_timeout)
         self._options: dict[str, Any] = dict(
             prefix=prefix,
             target_group_size=target_group_size,
@@ -229,7 +238,10 @@ class DecentralizedAverager:
         """Cancel running steps and leave (idempotent)."""
         core, self._core = self._core, None
         if core is not None:
-            run_coroutine(core.shutdown(), timeout=self.shutdown_timeout)
+            # half the budget at most for withdrawing the state declaration from the DHT
+            # (it cannot succeed if the DHT was shut down first), the rest for stopping
+            withdraw = min(2.0, self.shutdown_timeout / 2)
+            run_coroutine(core.shutdown(withdraw_timeout=withdraw), timeout=self.shutdown_timeout)
 
     def __enter__(self) -> DecentralizedAverager:
         if self._core is None:

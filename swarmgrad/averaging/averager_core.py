@@ -56,7 +56,7 @@ from swarmgrad.averaging.state_download import load_state_from_peers
 from swarmgrad.averaging.state_sharing import StateSharing
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.averaging.tensor_lock import LoopLockHolder
-from swarmgrad.compression import CompressionBase, CompressionType
+from swarmgrad.compression import CompressionBase, CompressionType, get_codec
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.peer import Peer
 from swarmgrad.utils.errors import SwarmgradError, ValidationError
@@ -95,6 +95,12 @@ def check_averaged_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor
                 f"averaged tensor {i} is the result of an operation (it has a grad_fn); "
                 "pass parameters or other leaf tensors"
             )
+    # With nothing to average every round "averages nothing with anyone", so each step
+    # would search and fail until its timeout: refuse it here, where the mistake is.
+    if sum(tensor.numel() for tensor in checked) == 0:
+        raise ValidationError(
+            f"averaged_tensors hold no elements ({len(checked)} tensors): nothing to average"
+        )
     return checked
 
 
@@ -103,6 +109,14 @@ def _optional_positive(name: str, value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValidationError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
+def _positive_seconds(name: str, value: Any) -> float:
+    """A finite positive duration, checked before any use (``float(None)`` would raise a
+    TypeError that does not name the option; NaN would pass ``value <= 0``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
     return float(value)
 
 
@@ -193,8 +207,14 @@ class AsyncDecentralizedAverager:
         self.target_group_size = (
             DEFAULT_MAX_GROUP_SIZE if target_group_size is None else target_group_size
         )
-        self.min_matchmaking_time = float(min_matchmaking_time)
-        self.request_timeout = float(request_timeout)
+        self.min_matchmaking_time = _positive_seconds("min_matchmaking_time", min_matchmaking_time)
+        self.request_timeout = _positive_seconds("request_timeout", request_timeout)
+        declare_state_period = _positive_seconds("declare_state_period", declare_state_period)
+        if type(max_gather_bytes) is not int or max_gather_bytes <= 0:
+            raise ValidationError(
+                f"max_gather_bytes must be a positive int, got {max_gather_bytes!r}"
+            )
+        get_codec(compression)  # an unknown codec fails here, not in every round
         self.averaging_alpha = float(averaging_alpha)
         self.part_size_bytes = part_size_bytes
         self.allreduce_timeout = _optional_positive("allreduce_timeout", allreduce_timeout)
@@ -264,8 +284,12 @@ class AsyncDecentralizedAverager:
     def is_running(self) -> bool:
         return self._started and not self._closed
 
-    async def shutdown(self) -> None:
-        """Cancel running steps, stop matchmaking and state sharing (idempotent)."""
+    async def shutdown(self, withdraw_timeout: float = 2.0) -> None:
+        """Cancel running steps, stop matchmaking and state sharing (idempotent).
+
+        ``withdraw_timeout`` bounds the withdrawal of the state declaration: it is a DHT
+        store, which cannot succeed once the DHT is shut down underneath us and would
+        otherwise use up the caller's whole shutdown budget."""
         if self._closed:
             return
         self._closed = True
@@ -277,7 +301,7 @@ class AsyncDecentralizedAverager:
             await asyncio.wait(steps)
         await self.matchmaking.shutdown()
         if self.state_sharing is not None and self._started:
-            await self.state_sharing.shutdown()
+            await self.state_sharing.shutdown(withdraw_timeout=withdraw_timeout)
         await self._lock_holder.close()
 
     # ------------------------------------------------------------------ tensors and state
@@ -328,6 +352,7 @@ class AsyncDecentralizedAverager:
         """Download the best state shared under this prefix: ``(metadata, tensors)``, or
         None if no donor could provide it within ``timeout`` seconds."""
         self._check_running()
+        timeout = _optional_positive("timeout", timeout)
         return await load_state_from_peers(
             self.peer, self.dht_node, prefix=self.prefix, timeout=timeout, **self._download_options
         )
@@ -379,6 +404,10 @@ class AsyncDecentralizedAverager:
         try:
             result = await self._step(control, gather, timeout, allow_retries)
         except asyncio.CancelledError:
+            if self._closed:  # say why, rather than a bare CancelledError
+                control._finish(
+                    error=SwarmgradError(f"{self} was shut down while this step was running")
+                )
             control._mark_cancelled()
             raise
         except BaseException as e:
