@@ -116,6 +116,11 @@ RECEIVE_WINDOW_BYTES = 64 * 1024 * 1024  # an owner receives at most this much p
 _LENGTH = struct.Struct(">I")
 _FINISHED_GROUPS_REMEMBERED = 1024
 _NONE = CompressionType.NONE.value
+# Weights are relative, so a bound costs nothing. Owners sum weight * part in float32 for
+# float16/bfloat16/float32 tensors: a weight beyond float32's range (3.4e38) makes torch
+# raise mid-round, and one near it turns the sum into Inf and the average into NaN. 1e30
+# leaves eight orders of magnitude for the values themselves.
+MAX_WEIGHT = 1e30
 
 
 class AveragingMode(enum.Enum):
@@ -466,8 +471,10 @@ class AllReduceRunner:
         weight = 1.0 if weight is None else weight
         if isinstance(weight, bool) or not isinstance(weight, int | float):
             raise ValidationError(f"weight must be a number, got {weight!r}")
-        if not math.isfinite(weight) or weight < 0:
-            raise ValidationError(f"weight must be finite and >= 0, got {weight!r}")
+        if not math.isfinite(weight) or not 0 <= weight <= MAX_WEIGHT:
+            raise ValidationError(
+                f"weight must be finite and >= 0, at most {MAX_WEIGHT:g}; got {weight!r}"
+            )
         return float(weight)
 
     def _spans(
@@ -869,8 +876,10 @@ class AllReduceRunner:
         weight = hello.get("w")
         if isinstance(weight, bool) or not isinstance(weight, int | float):
             raise ValidationError(f"{remote} sent weight {weight!r}, not a number")
-        if not math.isfinite(weight) or weight < 0:
-            raise ValidationError(f"{remote} sent weight {weight!r}; must be finite and >= 0")
+        if not math.isfinite(weight) or not 0 <= weight <= MAX_WEIGHT:
+            raise ValidationError(
+                f"{remote} sent weight {weight!r}; must be finite, >= 0 and at most {MAX_WEIGHT:g}"
+            )
         if member in self._admitted:
             raise ValidationError(f"{remote} opened a second stream for group {self._gid}")
         if remote in self._excluded:

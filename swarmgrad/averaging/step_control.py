@@ -29,6 +29,7 @@ import math
 import threading
 from typing import Any
 
+from swarmgrad.averaging.allreduce import MAX_WEIGHT
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["AveragingStage", "StepControl"]
@@ -45,8 +46,10 @@ class AveragingStage(enum.Enum):
 def check_weight(weight: Any) -> float:
     if isinstance(weight, bool) or not isinstance(weight, int | float):
         raise ValidationError(f"weight must be a number, got {weight!r}")
-    if not math.isfinite(weight) or weight < 0:
-        raise ValidationError(f"weight must be finite and >= 0, got {weight!r}")
+    if not math.isfinite(weight) or not 0 <= weight <= MAX_WEIGHT:
+        raise ValidationError(
+            f"weight must be finite and >= 0, at most {MAX_WEIGHT:g}; got {weight!r}"
+        )
     return float(weight)
 
 
