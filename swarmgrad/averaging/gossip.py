@@ -127,6 +127,8 @@ class AsyncGossipAverager:
         rng: random.Random | None = None,
         scoreboard: PeerScoreboard | None = None,
     ):
+        if isinstance(averaged_tensors, torch.Tensor):
+            raise ValidationError("averaged_tensors must be a sequence of tensors, not one tensor")
         tensors = list(averaged_tensors)
         for i, tensor in enumerate(tensors):
             if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
@@ -134,6 +136,26 @@ class AsyncGossipAverager:
                     f"averaged tensor {i} must be a floating-point torch tensor, got "
                     f"{getattr(tensor, 'dtype', type(tensor).__name__)}"
                 )
+            if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+                raise ValidationError(f"averaged tensor {i} must be a dense CPU tensor")
+        if not tensors:
+            raise ValidationError("averaged_tensors is empty: there is nothing to average")
+        # Type checks first: a str or None would otherwise fail below with a TypeError
+        # that names no option, and NaN passes ``<= 0`` (then every pull fails).
+        for name, value in (
+            ("mixing_constant", mixing_constant),
+            ("fetch_probability", fetch_probability),
+            ("request_timeout", request_timeout),
+            ("declare_period", declare_period),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValidationError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValidationError(f"{name} must be finite, got {value!r}")
+        if type(max_attempts) is not int:
+            raise ValidationError(f"max_attempts must be an int, got {max_attempts!r}")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValidationError(f"the gossip prefix must be a non-empty str, got {prefix!r}")
         if not 0 <= mixing_constant <= 1:
             raise ValidationError(f"mixing_constant must be in [0, 1], got {mixing_constant}")
         if not 0 <= fetch_probability <= 1:
@@ -281,10 +303,14 @@ class AsyncGossipAverager:
     ) -> GossipResult:
         """Count ``samples_seen`` new samples (default 1: the clock counts steps), record
         ``loss`` and, with probability ``fetch_probability``, pull one peer and mix."""
-        if samples_seen is not None and not (math.isfinite(samples_seen) and samples_seen >= 0):
-            raise ValidationError(f"samples_seen must be a finite number >= 0, got {samples_seen}")
-        if loss is not None and not math.isfinite(loss):
-            raise ValidationError(f"loss must be finite, got {loss}")
+        if samples_seen is not None and not (
+            _is_number(samples_seen) and math.isfinite(samples_seen) and samples_seen >= 0
+        ):
+            raise ValidationError(
+                f"samples_seen must be a finite number >= 0, got {samples_seen!r}"
+            )
+        if loss is not None and not (_is_number(loss) and math.isfinite(loss)):
+            raise ValidationError(f"loss must be a finite number, got {loss!r}")
         with self._clock_lock:
             self.samples_seen += 1.0 if samples_seen is None else float(samples_seen)
             if loss is not None:
@@ -407,6 +433,10 @@ def _parse_declaration(subkey: Any, entry: Any) -> tuple[PeerID, tuple[str, ...]
     return peer_id, tuple(maddrs[:MAX_MADDRS])
 
 
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float)
+
+
 class GossipAverager:
     """Synchronous gossip averaging over a :class:`~swarmgrad.dht.DHT` (hivemind-style).
 
@@ -432,6 +462,11 @@ class GossipAverager:
         shutdown_timeout: float = 10.0,
         **kwargs: Any,
     ):
+        if not _is_number(shutdown_timeout) or not 0 < shutdown_timeout < math.inf:
+            # else shutdown() would give up at once and leave the averager half stopped
+            raise ValidationError(
+                f"shutdown_timeout must be a positive number of seconds, got {shutdown_timeout!r}"
+            )
         self.dht = dht
         self.shutdown_timeout = shutdown_timeout
         self._options = dict(
@@ -444,7 +479,12 @@ class GossipAverager:
             client_mode=dht.client_mode if client_mode is None else client_mode,
             **kwargs,
         )
-        self._tensors = list(averaged_tensors)
+        # list() of one tensor would silently split it into its rows: let the core refuse
+        self._tensors = (
+            averaged_tensors
+            if isinstance(averaged_tensors, torch.Tensor)
+            else list(averaged_tensors)
+        )
         self._core: AsyncGossipAverager | None = None
         if start:
             self.run_in_background()
