@@ -451,6 +451,27 @@ def test_an_owner_with_nan_in_its_own_span_averages_the_others(arun):
     assert torch.equal(tensors[1][0], torch.full((8,), 3.0))
 
 
+def test_an_average_that_overflows_leaves_every_span_local(arun):
+    """Finite inputs near float32's maximum sum to Inf: the owner keeps its span local
+    instead of writing Inf, and the sender refuses the Inf it is sent."""
+
+    async def main():
+        peers = await make_peers(2)
+        big = torch.finfo(torch.float32).max / 2
+        tensors = [[torch.full((8,), big)], [torch.full((8,), big * 1.5)]]
+        originals = [[t.clone() for t in ts] for ts in tensors]
+        results = await run_round(peers, tensors, span_sizes=[8, 0], modes=[NODE, CLIENT])
+        await shutdown(peers)
+        return tensors, originals, results
+
+    tensors, originals, results = arun(main)
+    for got, want in zip(tensors, originals, strict=True):
+        assert torch.equal(got[0], want[0])
+    assert results[0].local_spans == frozenset({0})
+    assert results[1].local_spans == frozenset({0})
+    assert "NaN or Inf" in next(iter(results[1].failed_reducers.values()))
+
+
 async def open_raw(caller, owner, hello):
     stream = await caller.open_stream(owner.peer_id, AGGREGATE_PART)
     await stream.write(_encode(hello))

@@ -811,6 +811,15 @@ class AllReduceRunner:
                             msgpack.unpackb(head[_LENGTH.size :], raw=False), payload
                         )
                     )
+                if not _all_finite(values):  # finite inputs can still overflow in the sum
+                    logger.warning(
+                        "all-reduce %s: the average of part %d of span %d is not finite; "
+                        "keeping the span local",
+                        self._gid,
+                        part_index,
+                        me,
+                    )
+                    break
                 results.append(values)
             else:
                 for part_index, values in enumerate(results):
