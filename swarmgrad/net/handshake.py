@@ -61,11 +61,11 @@ class Hello:
         if not isinstance(raw, dict):
             raise ProtocolViolation(f"HELLO must be a map, got {type(raw).__name__}")
         try:
-            version, min_version = int(raw["v"]), int(raw["min_v"])
-            nonce = bytes(raw["nonce"])
-            peer_id = PeerID(bytes(raw["id"]))
+            version, min_version = _int_field(raw, "v"), _int_field(raw, "min_v")
+            nonce = _bytes_field(raw, "nonce")
+            peer_id = PeerID(_bytes_field(raw, "id"))
             features = tuple(str(f) for f in raw.get("features", ()))
-            window, max_frame = int(raw["window"]), int(raw["max_frame"])
+            window, max_frame = _int_field(raw, "window"), _int_field(raw, "max_frame")
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolViolation(f"HELLO is missing or has a malformed field: {e!r}") from None
         if len(nonce) != NONCE_SIZE:
@@ -73,6 +73,22 @@ class Hello:
         if not (1024 <= window <= 2**31) or not (1024 <= max_frame <= 2**31):
             raise ProtocolViolation(f"HELLO window {window} or max_frame {max_frame} out of range")
         return cls(peer_id, version, min_version, nonce, features, window, max_frame)
+
+
+def _int_field(raw: dict, name: str) -> int:
+    """An integer field, by type: int() would also take floats (inf overflows) and strings."""
+    value = raw[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name!r} must be an integer, got {type(value).__name__}")
+    return value
+
+
+def _bytes_field(raw: dict, name: str) -> bytes:
+    """A binary field, by type: bytes(n) of an integer n would allocate n zero bytes."""
+    value = raw[name]
+    if not isinstance(value, bytes):
+        raise TypeError(f"{name!r} must be bytes, got {type(value).__name__}")
+    return value
 
 
 def make_hello(identity: Identity, *, initial_window: int, max_frame: int) -> Hello:
