@@ -47,6 +47,9 @@ SCRATCH_SIZE = 256 * 1024  # largest receive scratch buffer of a busy connection
 _INITIAL_SCRATCH = 16 * 1024  # a DHT peer holds hundreds of mostly idle connections
 # Payload bytes at most copied out of the scratch buffer; larger remainders get their own.
 _SMALL_PAYLOAD = 16 * 1024
+# Bytes of replies the remote provokes (PONG, refusing RESET) we queue while it does not
+# read: beyond this, a PING or OPEN flood would grow our write buffer without bound.
+_PAUSED_REPLY_LIMIT = 1024 * 1024
 
 
 class Stream:
@@ -393,6 +396,7 @@ class Connection(asyncio.BufferedProtocol):
         self._inbound_count = 0
         self._next_id = itertools.count(1 if is_dialer else 2, 2)
         self._write_paused = False
+        self._replies_while_paused = 0
         self._write_waiters: list[asyncio.Future] = []
         self._pings: dict[bytes, asyncio.Future] = {}
         # receive state machine
@@ -415,6 +419,10 @@ class Connection(asyncio.BufferedProtocol):
         self._send_control(FrameType.HELLO, 0, self._our_hello.encode())
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._dead:
+            # Bytes still in flight after we failed are dropped, but the transport needs
+            # room to put them: a scratch left full by the failed parse would offer none.
+            return memoryview(bytearray(_INITIAL_SCRATCH))
         if self._payload_left:
             stream = self._payload_stream
             if self._payload_buf is None and stream is not None and not self._dead:
@@ -463,6 +471,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._replies_while_paused = 0
         waiters, self._write_waiters = self._write_waiters, []
         for waiter in waiters:
             if not waiter.done():
@@ -530,6 +539,18 @@ class Connection(asyncio.BufferedProtocol):
             return
         header = framing.encode_header(frame_type, stream_id, len(payload))
         self.transport.write(header + payload)
+
+    def _send_reply(self, frame_type: FrameType, stream_id: int, payload: bytes) -> None:
+        """A control frame the remote asked for: refuse to queue them without bound while
+        the remote is not reading what we already sent."""
+        if self._write_paused:
+            self._replies_while_paused += framing.HEADER_SIZE + len(payload)
+            if self._replies_while_paused > _PAUSED_REPLY_LIMIT:
+                raise ProtocolViolation(
+                    f"{self._peer_name()} keeps sending {frame_type.name}-provoking frames "
+                    f"without reading: {self._replies_while_paused} bytes of replies are waiting"
+                )
+        self._send_control(frame_type, stream_id, payload)
 
     def _send_data(self, stream_id: int, payload: memoryview | bytes, *, fin: bool) -> None:
         if self._dead:
@@ -669,7 +690,7 @@ class Connection(asyncio.BufferedProtocol):
                 )
                 self._forget(stream)
         elif kind == FrameType.PING:
-            self._send_control(FrameType.PONG, 0, payload)
+            self._send_reply(FrameType.PONG, 0, payload)
         elif kind == FrameType.PONG:
             waiter = self._pings.get(payload)
             if waiter is not None and not waiter.done():
@@ -723,7 +744,7 @@ class Connection(asyncio.BufferedProtocol):
         if stream_id in self._streams:
             raise ProtocolViolation(f"{self._peer_name()} reopened live stream {stream_id}")
         if self._inbound_count >= self._max_inbound_streams or self._on_stream is None:
-            self._send_control(
+            self._send_reply(
                 FrameType.RESET,
                 stream_id,
                 framing.encode_reset_payload(ResetCode.REFUSED, "too many open streams"),
