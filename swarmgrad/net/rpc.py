@@ -38,6 +38,7 @@ from swarmgrad.utils.errors import (
     ProtocolViolation,
     RemoteError,
     UnknownHandler,
+    ValidationError,
 )
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 _META_LEN = struct.Struct(">I")
 _BLOB_EXT = 1
 MAX_META_SIZE = 16 * 1024 * 1024
+# A call header is a handler name and a timeout; parsed headers are cached, so an
+# unbounded size would let a caller park 4096 x 64 KiB of names in the cache.
+MAX_CALL_HEADER = 4096
 DEFAULT_MAX_MESSAGE_SIZE = 1024 * 1024 * 1024
 _KIND_MESSAGE, _KIND_ERROR = 0, 1
 _SMALL_BLOB = 4096  # blobs below this are inlined into the meta write
@@ -332,11 +336,25 @@ async def _single_request(stream: Stream, name: str, max_message_size: int) -> A
 
 @functools.lru_cache(maxsize=4096)
 def call_header(name: str, timeout: float | None) -> bytes:
-    return msgpack.packb({"h": name, "t": timeout})
+    header = msgpack.packb({"h": name, "t": timeout})
+    if len(header) > MAX_CALL_HEADER:
+        raise ValidationError(
+            f"handler name of {len(name)} characters is too long for a call header "
+            f"(at most {MAX_CALL_HEADER} bytes)"
+        )
+    return header
+
+
+def parse_call_header(header: bytes) -> tuple[str, float | None]:
+    if len(header) > MAX_CALL_HEADER:
+        raise ProtocolViolation(
+            f"call header of {len(header)} bytes exceeds the limit of {MAX_CALL_HEADER} bytes"
+        )
+    return _parse_call_header(header)
 
 
 @functools.lru_cache(maxsize=4096)
-def parse_call_header(header: bytes) -> tuple[str, float | None]:
+def _parse_call_header(header: bytes) -> tuple[str, float | None]:
     try:
         raw = msgpack.unpackb(header, raw=False)
         name, timeout = raw["h"], raw.get("t")
