@@ -589,6 +589,11 @@ class DHTNode:
 
     def _store_locally(self, item: StoreItem, source: PeerID) -> str | None:
         """Validate and store a record; None if stored, else why not."""
+        if len(item.key) > self.max_key_bytes:  # storage sees only the key's id: check here
+            return (
+                f"the key is {len(item.key)} bytes serialized, over max_key_bytes="
+                f"{self.max_key_bytes}"
+            )
         if item.value is not None:
             record = DHTRecord(item.key, item.subkey or NO_SUBKEY, item.value, item.expiration_time)
             if not self.protocol_validator.validate(record):

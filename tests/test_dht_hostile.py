@@ -1,0 +1,200 @@
+"""Hostile DHT requests through a real Peer on loopback: random and mutated payloads to
+dht.ping / dht.store / dht.find, wrong types in every field, odd expirations, keys of the
+wrong length, oversized keys. The node must refuse with a clear remote error (or a clear
+per-record reason) and keep answering a well-behaved peer afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from conftest import run_checked
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swarmgrad.dht import protocol
+from swarmgrad.dht.node import DHTNode, serialize
+from swarmgrad.dht.protocol import StoreItem
+from swarmgrad.dht.routing import DHTID
+from swarmgrad.net.peer import Peer
+from swarmgrad.utils.errors import RemoteError
+from swarmgrad.utils.timeutils import get_dht_time
+
+
+async def node_and_attacker():
+    node = await DHTNode.create(await Peer.create(), [])
+    attacker = await Peer.create()
+    return node, attacker, node.peer.get_visible_maddrs()[0]
+
+
+async def stop(node, attacker):
+    await attacker.shutdown()
+    await node.shutdown()
+    await node.peer.shutdown()
+
+
+async def well_behaved_round_trip(attacker: Peer, addr, tag: str) -> None:
+    """A correct store then find of a fresh key still works."""
+    key = serialize(f"good-{tag}")
+    item = StoreItem(key, None, serialize("value"), get_dht_time() + 60)
+    reply = await attacker.call(addr, protocol.STORE, protocol.encode_store([item]), timeout=5)
+    assert protocol.decode_store_result(reply, 1) == [None]
+    reply = await attacker.call(
+        addr, protocol.FIND, protocol.encode_find([DHTID.generate(key)]), timeout=5
+    )
+    (answer,) = protocol.decode_find_result(reply, 1)
+    assert answer.record is not None and answer.record.value == serialize("value")
+
+
+_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.binary(max_size=24)
+)
+_ANY = st.recursive(
+    _LEAVES,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=24,
+)
+_ITEM_FIELD = st.sampled_from([0, 1, 2, 3, 4])
+
+
+@st.composite
+def hostile_request(draw):
+    """A request: random, or a valid one with one part replaced by something random."""
+    name = draw(st.sampled_from([protocol.PING, protocol.STORE, protocol.FIND]))
+    if draw(st.booleans()):
+        return name, draw(_ANY)
+    key = serialize("k")
+    if name == protocol.PING:
+        message = protocol.encode_ping(["/ip4/127.0.0.1/tcp/1"], False)
+        message[draw(st.sampled_from(["maddrs", "client", "extra"]))] = draw(_ANY)
+    elif name == protocol.STORE:
+        message = protocol.encode_store([StoreItem(key, b"\xa1s", b"\xa1v", get_dht_time() + 60)])
+        where = draw(st.sampled_from(["items", "item", "field", "sender"]))
+        if where == "items":
+            message["items"] = draw(_ANY)
+        elif where == "item":
+            message["items"][0] = draw(_ANY)
+        elif where == "field":
+            message["items"][0][draw(_ITEM_FIELD)] = draw(_ANY)
+        else:
+            message["sender"] = draw(_ANY)
+    else:
+        message = protocol.encode_find([DHTID.generate(key)])
+        where = draw(st.sampled_from(["keys", "key", "k", "sender"]))
+        if where == "key":
+            message["keys"][0] = draw(_ANY)
+        else:
+            message[where] = draw(_ANY)
+    return name, message
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=st.lists(hostile_request(), min_size=25, max_size=25))
+def test_random_and_mutated_requests_are_refused_clearly_and_the_node_keeps_serving(requests):
+    async def main():
+        node, attacker, addr = await node_and_attacker()
+        for name, request in requests:
+            try:
+                await attacker.call(addr, name, request, timeout=5)
+            except RemoteError as e:
+                assert e.remote_type == "ProtocolViolation", (name, request, e)
+                assert "malformed" in str(e)
+        await well_behaved_round_trip(attacker, addr, "after-fuzz")
+        await stop(node, attacker)
+
+    run_checked(main, timeout=30)
+
+
+def test_find_with_keys_of_the_wrong_length_or_type_names_the_problem(arun):
+    async def main():
+        node, attacker, addr = await node_and_attacker()
+        for bad in (b"\x01" * 19, b"\x01" * 21, "x" * 20, -1, None):
+            with pytest.raises(RemoteError, match=r"a key id must be 20 bytes|malformed find"):
+                await attacker.call(addr, protocol.FIND, {"keys": [bad]}, timeout=5)
+        too_many = [DHTID.generate(b"%d" % i).to_bytes() for i in range(protocol.MAX_BATCH + 1)]
+        with pytest.raises(RemoteError, match="at most 1024"):
+            await attacker.call(addr, protocol.FIND, {"keys": too_many}, timeout=5)
+        await well_behaved_round_trip(attacker, addr, "after-find")
+        await stop(node, attacker)
+
+    arun(main)
+
+
+def test_odd_expirations_are_refused_per_record_with_a_reason(arun):
+    async def main():
+        node, attacker, addr = await node_and_attacker()
+        now = get_dht_time()
+        expirations = [math.nan, math.inf, -math.inf, -1.0, 0, now + 10 * 365 * 86400]
+        items = [
+            StoreItem(serialize(f"odd-{i}"), None, serialize(i), e)
+            for i, e in enumerate(expirations)
+        ]
+        reply = await attacker.call(addr, protocol.STORE, protocol.encode_store(items), timeout=5)
+        reasons = protocol.decode_store_result(reply, len(items))
+        assert all(reason for reason in reasons), reasons
+        assert "NaN" in reasons[0] and "max_expiration_ahead" in reasons[1]
+        assert len(node.storage) == 0
+        await well_behaved_round_trip(attacker, addr, "after-expirations")
+        await stop(node, attacker)
+
+    arun(main)
+
+
+def test_remote_store_of_an_oversized_key_is_refused_naming_the_limit(arun):
+    async def main():
+        node, attacker, addr = await node_and_attacker()
+        huge_key = serialize("k" * 200_000)  # 50x max_key_bytes, kept by the node if stored
+        item = StoreItem(huge_key, None, serialize("v"), get_dht_time() + 60)
+        reply = await attacker.call(addr, protocol.STORE, protocol.encode_store([item]), timeout=5)
+        (reason,) = protocol.decode_store_result(reply, 1)
+        assert reason is not None and "max_key_bytes" in reason
+        assert len(node.storage) == 0 and not node._serialized_keys
+        await well_behaved_round_trip(attacker, addr, "after-key")
+        await stop(node, attacker)
+
+    arun(main)
+
+
+def test_thousands_of_subkeys_from_one_peer_stay_within_limits_and_findable(arun):
+    async def main():
+        node, attacker, addr = await node_and_attacker()
+        key = serialize("crowded")
+        exp = get_dht_time() + 60
+        for batch in range(3):
+            items = [
+                StoreItem(key, serialize(batch * 1000 + i), serialize(i), exp) for i in range(1000)
+            ]
+            reply = await attacker.call(
+                addr, protocol.STORE, protocol.encode_store(items), timeout=10
+            )
+            assert protocol.decode_store_result(reply, 1000) == [None] * 1000
+        reply = await attacker.call(
+            addr, protocol.FIND, protocol.encode_find([DHTID.generate(key)]), timeout=10
+        )
+        (answer,) = protocol.decode_find_result(reply, 1)
+        assert len(answer.record.dictionary) == 3000
+        await well_behaved_round_trip(attacker, addr, "after-subkeys")
+        await stop(node, attacker)
+
+    arun(main)
+
+
+def test_ping_with_huge_address_lists_learns_at_most_a_few(arun):
+    async def main():
+        node, attacker, addr = await node_and_attacker()
+        maddrs = [f"/ip4/10.0.{i // 256}.{i % 256}/tcp/{1000 + i}" for i in range(20_000)]
+        maddrs += ["/not/a/maddr", "", "/ip4/999.1.1.1/tcp/1", "/ip4/1.1.1.1/tcp/99999"]
+        reply = await attacker.call(addr, protocol.PING, {"maddrs": maddrs, "client": False})
+        protocol.decode_pong(reply)
+        assert len(node.peer._addresses[attacker.peer_id]) <= protocol.MAX_ADDRS
+        await asyncio.sleep(0)
+        await well_behaved_round_trip(attacker, addr, "after-ping")
+        await stop(node, attacker)
+
+    arun(main)
