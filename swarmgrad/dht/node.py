@@ -766,13 +766,13 @@ class DHTNode:
         self._heard_from(context.remote_id, request.get("sender"))
         requester = DHTID.for_peer(context.remote_id)
         answers = []
+        budget = protocol.MAX_ANSWER_RECORD_BYTES
         for key_id in key_ids:
             nearest = self.routing.get_nearest_neighbors(key_id, k, exclude=requester)
+            record = _fit_record(self._local_record(key_id), budget)
+            budget -= _record_size(record)
             answers.append(
-                FindAnswer(
-                    self._local_record(key_id),
-                    tuple((pid, self._addresses_of(pid)) for _, pid in nearest),
-                )
+                FindAnswer(record, tuple((pid, self._addresses_of(pid)) for _, pid in nearest))
             )
         return protocol.encode_find_result(answers)
 
@@ -856,6 +856,35 @@ def _record_from_storage(entry: ValueWithExpiration) -> FoundRecord | None:
     if value is None:
         return None
     return FoundRecord(value=value, expiration_time=entry.expiration_time)
+
+
+def _entry_size(subkey: bytes, value: bytes) -> int:
+    return len(subkey) + len(value) + 16  # + msgpack framing and the expiration
+
+
+def _record_size(record: FoundRecord | None) -> int:
+    if record is None:
+        return 0
+    if record.dictionary is not None:
+        return sum(_entry_size(sub, value) for sub, value, _ in record.dictionary)
+    return _entry_size(b"", record.value)
+
+
+def _fit_record(record: FoundRecord | None, budget: int) -> FoundRecord | None:
+    """The record, or as much of it as fits in ``budget`` bytes of a find answer (for a
+    dictionary: its freshest entries). Without this, enough subkeys under one key (anyone
+    may add them) made every find including that key fail with FrameTooLarge."""
+    if record is None or _record_size(record) <= budget:
+        return record
+    if record.dictionary is None:
+        return None
+    kept = []
+    for entry in sorted(record.dictionary, key=lambda entry: entry[2], reverse=True):
+        budget -= _entry_size(entry[0], entry[1])
+        if budget < 0:
+            break
+        kept.append(entry)
+    return FoundRecord(dictionary=tuple(kept)) if kept else None
 
 
 def _merge_records(records: list[FoundRecord]) -> FoundRecord:

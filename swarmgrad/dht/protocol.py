@@ -27,6 +27,9 @@ PING, STORE, FIND = "dht.ping", "dht.store", "dht.find"
 MAX_BATCH = 1024  # keys per store/find request
 MAX_NEAREST = 64  # nodes per find answer
 MAX_ADDRS = 8  # addresses per node in a find answer
+# Record bytes per find answer: the whole answer must stay under the RPC layer's 16 MiB
+# metadata limit, however much is stored under the keys asked for.
+MAX_ANSWER_RECORD_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
