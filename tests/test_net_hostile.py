@@ -247,6 +247,8 @@ def test_random_bytes_as_requests_are_refused_and_the_server_keeps_serving(arun)
         rng = random.Random(7)
         valid = b"".join(rpc.encode_message({"x": [1, 2, 3], "b": rpc.Blob(b"z" * 5000)}))
         payloads = [b"", b"\x00\x00\x00", b"\xff\xff\xff\xff", b"\x00\x00\x00\x02\x00\x90"]
+        deep = bytes((0, 0x90)) + b"\x91" * 5000 + b"\xc0"  # nesting beyond msgpack's stack
+        payloads.append(len(deep).to_bytes(4, "big") + deep)
         payloads += [rng.randbytes(rng.randrange(1, 300)) for _ in range(40)]
         for _ in range(40):  # mutations of a valid message: flipped bytes, truncations
             mutated = bytearray(valid)
