@@ -14,7 +14,7 @@ import random
 import msgpack
 import pytest
 from conftest import run_checked
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_mux import MemoryTransport, connected_pair, settle
 
@@ -94,6 +94,48 @@ def test_hello_field_of_the_wrong_type_is_a_protocol_violation_naming_it(field, 
 
 
 # ------------------------------------------------------------------ fuzzed frames
+
+_MSGPACK = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=9), inner),
+    max_leaves=12,
+)
+_HELLO_KEYS = st.sampled_from(["v", "min_v", "id", "nonce", "features", "window", "max_frame"])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replacements=st.dictionaries(_HELLO_KEYS, _MSGPACK, max_size=3), drop=st.booleans())
+@example(replacements={"v": math.inf}, drop=False)  # int(inf) raised OverflowError
+@example(replacements={"id": 2**63}, drop=False)  # bytes(2**63) raised MemoryError
+def test_fuzzed_hello_is_accepted_or_refused_with_a_swarmgrad_error(replacements, drop):
+    async def main():
+        errors = record_loop_errors()
+        loop = asyncio.get_running_loop()
+        conn = Connection(Identity.generate(), is_dialer=False)
+        transport, other_end = MemoryTransport(loop), MemoryTransport(loop)
+        transport.peer, transport.protocol = other_end, conn
+        conn.connection_made(transport)
+        hello = msgpack.unpackb(
+            make_hello(Identity.generate(), initial_window=65536, max_frame=65536).encode()
+        )
+        hello.update(replacements)
+        if drop and replacements:
+            del hello[next(iter(replacements))]
+        feed(conn, frame(FrameType.HELLO, 0, msgpack.packb(hello)))
+        await settle()
+        if conn.closed.done():
+            assert isinstance(conn.closed.result(), SwarmgradError), conn.closed.result()
+        assert not errors, errors
+        conn.abort(ProtocolViolation("test over"))
+        await settle()
+
+    run_checked(main)
+
 
 _STREAM_IDS = [0, 1, 2, 3, 4, 5, 7, 2**31, 2**32 - 1]
 _LENGTHS = [None, None, None, 0, 4, 2**16, 2**16 + 1, 2**20, 2**20 + 1, 2**32 - 1]
