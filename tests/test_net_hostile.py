@@ -334,6 +334,44 @@ def test_oversized_message_length_prefixes_are_refused_without_allocating(arun):
     arun(main)
 
 
+def test_announced_but_unsent_message_bytes_are_bounded_per_connection(arun, monkeypatch):
+    """Attached buffers are allocated before their bytes arrive: a peer announcing many
+    large messages and sending nothing may hold at most the connection's budget; further
+    messages wait, and other peers are served meanwhile."""
+    monkeypatch.setattr(rpc, "RECEIVE_BUDGET_BYTES", 3 << 20)
+
+    async def main():
+        server, client, addr = await two_peers()
+        other = await Peer.create()
+        conn = await client._get_connection(addr)
+        claim = msgpack.packb([0, [1 << 20]]) + msgpack.packb(None)  # 1 MiB, never sent
+        silent = []
+        for _ in range(10):
+            stream = conn.open_stream(rpc.call_header("echo", None))
+            await stream.write(len(claim).to_bytes(4, "big") + claim)
+            silent.append(stream)
+        budget = None
+        for _ in range(100):  # until the server has read the ten claims
+            server_conn = server._connections.get(client.peer_id)
+            budget = rpc._budgets.get(server_conn) if server_conn is not None else None
+            if budget is not None and budget.reserved == 3 << 20:
+                break
+            await asyncio.sleep(0.05)
+        assert budget is not None and budget.reserved == 3 << 20  # three held, seven wait
+        assert await other.call(addr, "echo", "fine", timeout=5) == "fine"
+        for stream in silent:
+            stream.reset("gave up")
+        for _ in range(50):
+            if budget.reserved == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert budget.reserved == 0  # abandoned messages give their reservation back
+        assert await client.call(addr, "echo", b"x" * (2 << 20), timeout=5) == b"x" * (2 << 20)
+        await shutdown(other, client, server)
+
+    arun(main)
+
+
 def test_caller_that_opens_a_call_and_never_sends_is_cleaned_up_on_disconnect(arun):
     async def main():
         server, client, addr = await two_peers(max_concurrent_calls_per_peer=4)

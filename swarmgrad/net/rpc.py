@@ -21,6 +21,7 @@ import functools
 import inspect
 import logging
 import struct
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +130,49 @@ async def write_message(
         await stream.write(part, fin=last and i == len(parts) - 1)
 
 
+class _ReceiveBudget:
+    """Bytes that messages on one connection have announced but not yet delivered.
+
+    A message's attached buffers are allocated in full before their bytes arrive (they
+    are received straight into them), so a peer could announce many large messages and
+    send nothing, making us hold memory it never pays for. Each connection may have at
+    most ``limit`` such bytes outstanding; further messages wait until earlier ones are
+    complete or abandoned. A single message larger than ``limit`` (up to the message size
+    limit) proceeds once it is alone.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.reserved = 0
+        self._changed: asyncio.Event | None = None
+
+    async def acquire(self, nbytes: int) -> int:
+        nbytes = min(nbytes, self.limit)
+        while self.reserved and self.reserved + nbytes > self.limit:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
+        self.reserved += nbytes
+        return nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.reserved -= nbytes
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+
+RECEIVE_BUDGET_BYTES = 1024 * 1024 * 1024
+_budgets: weakref.WeakKeyDictionary[Any, _ReceiveBudget] = weakref.WeakKeyDictionary()
+
+
+def _receive_budget(stream: Stream) -> _ReceiveBudget:
+    budget = _budgets.get(stream.conn)
+    if budget is None:
+        budget = _budgets[stream.conn] = _ReceiveBudget(RECEIVE_BUDGET_BYTES)
+    return budget
+
+
 async def read_message(stream: Stream, max_size: int) -> tuple[int, Any] | None:
     """Read one message; None at a clean end of stream."""
     first = await stream.read(_META_LEN.size)
@@ -177,10 +221,15 @@ async def read_message(stream: Stream, max_size: int) -> tuple[int, Any] | None:
                 f"message of {total + meta_len} bytes from {stream.remote_peer_id} exceeds "
                 f"the limit of {max_size} bytes"
             )
-        for length in lengths:
-            buffer = bytearray(length)
-            await stream.readexactly_into(buffer)
-            buffers.append(buffer)
+        budget = _receive_budget(stream)
+        reserved = await budget.acquire(total)
+        try:
+            for length in lengths:
+                buffer = bytearray(length)
+                await stream.readexactly_into(buffer)
+                buffers.append(buffer)
+        finally:
+            budget.release(reserved)
         body = unpacker.unpack()
     except (ValueError, TypeError, msgpack.OutOfData, msgpack.FormatError) as e:
         raise ProtocolViolation(f"malformed RPC message from {stream.remote_peer_id}: {e}") from e
