@@ -90,6 +90,10 @@ class ConnectionHandler:
             grads, backend.outputs_schema, f"grad_outputs of expert {uid!r}", batch_size
         )
         self._check_size(backend, batch_size)
+        # one caller's NaN or Inf would reach the shared weights through the optimizer step
+        # (and fail the batch of everyone it is batched with): refuse it per request
+        _check_finite(inputs, f"inputs of expert {uid!r}")
+        _check_finite(grads, f"grad_outputs of expert {uid!r}")
         if batch_size == 0:
             grad_inputs = tuple(d.make_zeros(0) for d in backend.args_schema)
         else:
@@ -121,6 +125,12 @@ def _field(request: Any, key: str, rpc_name: str) -> Any:
     if not isinstance(request, dict) or key not in request:
         raise ValidationError(f"a {rpc_name} request must be a dict with a {key!r} field")
     return request[key]
+
+
+def _check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
+    for i, tensor in enumerate(tensors):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValidationError(f"{what}[{i}]: holds NaN or Inf values; expected finite ones")
 
 
 async def _encode(

@@ -250,7 +250,12 @@ class ModuleBackend:
         )
 
     def on_backward(self, batch_size: int) -> None:
-        """Apply the accumulated gradients: clip, optimizer step, scheduler step."""
+        """Apply the accumulated gradients: clip, optimizer step, scheduler step.
+
+        Gradients that overflowed to NaN or Inf (finite inputs can do that) would ruin the
+        weights for every client: the step is skipped and the batch gets the error."""
+        if self.optimizer is not None:
+            self._check_finite_gradients()
         self.examples_processed += batch_size
         if self.optimizer is not None:
             if self.clip_grad_norm is not None:
@@ -262,6 +267,15 @@ class ModuleBackend:
             if self.activation_cache is not None:  # graphs of older weights are useless now
                 self.activation_cache.discard(self, keep_version=self.update_count)
         self.module.zero_grad(set_to_none=True)
+
+    def _check_finite_gradients(self) -> None:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            self.module.zero_grad(set_to_none=True)
+            raise ValidationError(
+                f"backward of expert {self.name!r}: non-finite parameter gradients (NaN or "
+                "Inf); the optimizer step was skipped and the weights are unchanged"
+            )
 
     def _checked_outputs(
         self, outputs: tuple[torch.Tensor, ...], inputs: Sequence[torch.Tensor]
