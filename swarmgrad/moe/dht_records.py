@@ -148,7 +148,11 @@ def parse_prefix_entries(
         if not isinstance(subkey, str) or not isinstance(entry.value, list):
             continue
         coord_text, sep, peer_text = subkey.partition(_SUBKEY_SEPARATOR)
-        if not sep or not coord_text.isdigit() or len(entry.value) != 2:
+        # (str.isdigit accepts '²' and other Unicode digits that int() refuses)
+        if not sep or not (coord_text.isascii() and coord_text.isdigit()):
+            logger.debug("skipping a prefix entry of %r with subkey %r", prefix, subkey[:80])
+            continue
+        if len(entry.value) != 2:
             continue
         uid, maddrs = entry.value
         if not is_valid_uid(uid) or not uid.startswith(prefix):
