@@ -136,6 +136,8 @@ def check_batch(
     if len(tensors) != len(schema):
         raise ValidationError(f"{what}: expected {len(schema)} tensors, got {len(tensors)}")
     for i, (tensor, descriptor) in enumerate(zip(tensors, schema, strict=True)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValidationError(f"{what}[{i}]: expected a tensor, got {type(tensor).__name__}")
         if tensor.dtype != descriptor.dtype:
             raise ValidationError(
                 f"{what}[{i}]: expected dtype {dtype_name(descriptor.dtype)}, "

@@ -111,7 +111,8 @@ class RemoteMixtureOfExperts(nn.Module):
         """Average the answers of each sample's best live experts. ``input`` is
         batch-first with ``in_features`` last; ``args`` are further expert arguments
         (batch-first). Returns a tensor, or a tuple when experts have several outputs."""
-        grid_scores = self.proj(_gating_input(input)).split(self.beam_search.grid_size, dim=-1)
+        gating_input = _gating_input(input, self.proj.in_features)
+        grid_scores = self.proj(gating_input).split(self.beam_search.grid_size, dim=-1)
         mask, coords, outputs = self.call_experts(grid_scores, (input, *args))
         logits = self.compute_scores(grid_scores, coords)
         empty_rows = torch.where(mask.any(dim=1, keepdim=True), float("-inf"), 0.0)
@@ -330,10 +331,16 @@ class _RemoteMixtureCall(torch.autograd.Function):
 # ---------------------------------------------------------------------- helpers
 
 
-def _gating_input(input: torch.Tensor) -> torch.Tensor:
+def _gating_input(input: torch.Tensor, in_features: int) -> torch.Tensor:
     """The gate reads the input averaged over any dimensions between batch and features."""
-    if input.ndim < 2:
-        raise ValidationError(f"the input must be batch-first, got shape {list(input.shape)}")
+    if not isinstance(input, torch.Tensor) or input.ndim < 2:
+        shape = list(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__
+        raise ValidationError(f"the input must be a batch-first tensor, got {shape}")
+    if input.shape[-1] != in_features:  # (torch's matmul error would not say which layer)
+        raise ValidationError(
+            f"the gate was built for in_features={in_features}, but the input's last "
+            f"dimension is {input.shape[-1]} (got shape {list(input.shape)})"
+        )
     return input if input.ndim == 2 else input.mean(dim=tuple(range(1, input.ndim - 1)))
 
 

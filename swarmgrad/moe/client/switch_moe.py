@@ -73,7 +73,7 @@ class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
 
     def forward(self, input: torch.Tensor, *args: torch.Tensor) -> tuple[Any, torch.Tensor]:
         sizes = self.beam_search.grid_size
-        gating_input = _gating_input(input)
+        gating_input = _gating_input(input, self.proj.in_features)
         if self.training and self.jitter_eps > 0:
             eps = self.jitter_eps
             gating_input = gating_input * torch.empty_like(gating_input).uniform_(1 - eps, 1 + eps)
