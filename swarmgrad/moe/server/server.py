@@ -468,7 +468,7 @@ def _make_backends(
         if outputs_schema is None:
             outputs_schema = derive_outputs_schema(uid, module, args_schema, compression)
         params = [p for p in module.parameters() if p.requires_grad]
-        optimizer = optim_cls(params) if optim_cls is not None and params else None
+        optimizer = _make_optimizer(optim_cls, params) if params else None
         backends[uid] = ModuleBackend(
             uid,
             module,
@@ -484,6 +484,23 @@ def _make_backends(
             timeout=batch_timeout,
         )
     return backends
+
+
+def _make_optimizer(
+    optim_cls: Callable[..., torch.optim.Optimizer] | None, params: list
+) -> torch.optim.Optimizer | None:
+    """``optim_cls(params)``, with its failure reported as a bad ``optim_cls`` argument
+    rather than a bare TypeError from deep inside Server.create."""
+    if optim_cls is None:
+        return None
+    try:
+        return optim_cls(params)
+    except Exception as e:
+        name = getattr(optim_cls, "__qualname__", repr(optim_cls))
+        raise ValidationError(
+            f"optim_cls={name} failed to build an optimizer for an expert's parameters: "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 @contextlib.contextmanager
