@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from swarmgrad.compression import (
     BASE_COMPRESSION_TYPES,
@@ -19,6 +21,7 @@ from swarmgrad.compression import (
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
+from swarmgrad.compression.base import all_finite
 from swarmgrad.utils.errors import CodecError, ValidationError
 
 
@@ -129,3 +132,21 @@ def test_blockwise_block_size_is_validated_and_travels_with_the_payload():
     assert serialized.params == {"block": 64}
     restored = deserialize_torch_tensor(serialized)  # the default instance decodes it
     assert torch.allclose(restored, tensor, atol=0.02 * tensor.abs().max().item())
+
+
+@given(
+    st.lists(
+        st.sampled_from(
+            [0.0, 1.5, -2.0, 3e38, -3e38, 6e4, float("nan"), float("inf"), -float("inf")]
+        ),
+        max_size=40,
+    ),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+)
+def test_all_finite_agrees_with_the_elementwise_check(values, dtype):
+    tensor = torch.tensor(values, dtype=torch.float64).to(dtype)  # huge values may overflow
+    assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
+
+
+def test_all_finite_ignores_integer_tensors():
+    assert all_finite(torch.tensor([1, 2, 3]))

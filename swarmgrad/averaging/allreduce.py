@@ -80,7 +80,7 @@ from swarmgrad.compression import (
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
-from swarmgrad.compression.base import tensor_bytes
+from swarmgrad.compression.base import all_finite, tensor_bytes
 from swarmgrad.compression.serialized import SerializedTensor
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import (
@@ -191,14 +191,6 @@ async def _refuse(stream: Any, error: BaseException) -> None:
     with contextlib.suppress(SwarmgradError, OSError):
         await stream.write(_encode({"error": str(error), "type": type(error).__name__}))
     stream.reset(str(error)[:500])
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """True if no NaN or Inf: one cheap sum, and an exact check only if the sum is not
-    finite (it can also overflow on huge but finite values)."""
-    if tensor.numel() == 0 or bool(torch.isfinite(tensor.sum())):
-        return True
-    return bool(torch.isfinite(tensor).all())
 
 
 def _describe(error: BaseException) -> str:
@@ -710,7 +702,7 @@ class AllReduceRunner:
                 for part_index in complete:
                     data = buffer[offsets[part_index] : offsets[part_index + 1]]
                     values = container.part_from_bytes(span_index, part_index, data)
-                    if not _all_finite(values):
+                    if not all_finite(values):
                         raise ProtocolViolation(
                             f"{owner} sent NaN or Inf in averaged part {part_index}"
                         )
@@ -743,7 +735,7 @@ class AllReduceRunner:
             values = self.container.decode_part(
                 span_index, part_index, message, f"averaged part from {owner}"
             )
-            if not _all_finite(values):
+            if not all_finite(values):
                 raise ProtocolViolation(f"{owner} sent NaN or Inf in averaged part {part_index}")
             averaged.append(values)
         return averaged
@@ -786,7 +778,7 @@ class AllReduceRunner:
         if self.mode is not AveragingMode.AUX:
             slot = self._slot_of[me]
             local = [self.container.local_part(me, k) for k in range(reducer.num_parts)]
-            if all(_all_finite(part) for part in local):
+            if all(all_finite(part) for part in local):
                 for part_index, part in enumerate(local):
                     reducer.accumulate_part(slot, part_index, part, self.weight)
             else:  # the others' average is still worth having
@@ -811,7 +803,7 @@ class AllReduceRunner:
                             msgpack.unpackb(head[_LENGTH.size :], raw=False), payload
                         )
                     )
-                if not _all_finite(values):  # finite inputs can still overflow in the sum
+                if not all_finite(values):  # finite inputs can still overflow in the sum
                     logger.warning(
                         "all-reduce %s: the average of part %d of span %d is not finite; "
                         "keeping the span local",
@@ -1028,7 +1020,7 @@ class AllReduceRunner:
     def _accumulate(
         self, slot: int, k: int, part: torch.Tensor, weight: float, reuse: bool = False
     ) -> None:
-        if not _all_finite(part):
+        if not all_finite(part):
             raise ProtocolViolation(
                 f"{self.ordered_peer_ids[self.sender_indices[slot]]} sent NaN or Inf in part {k}"
             )

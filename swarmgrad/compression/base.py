@@ -21,6 +21,7 @@ from swarmgrad.compression.serialized import (
 from swarmgrad.utils.errors import CodecError, ValidationError
 
 __all__ = [
+    "all_finite",
     "CompressionBase",
     "CompressionInfo",
     "NoCompression",
@@ -127,6 +128,19 @@ def prepare_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     return tensor.resolve_conj().resolve_neg().contiguous()
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` holds no NaN or Inf.
+
+    One summing pass decides the common case (NaN and Inf propagate into the sum); only a
+    sum that is not finite, which huge but finite values can also cause, is settled by the
+    exact elementwise check, whose mask as large as the tensor costs many times more."""
+    if tensor.numel() == 0 or not tensor.is_floating_point():
+        return True
+    if bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from swarmgrad.compression.base import all_finite
 from swarmgrad.compression.serialized import CompressionType
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
 from swarmgrad.moe import protocol
@@ -129,7 +130,7 @@ def _field(request: Any, key: str, rpc_name: str) -> Any:
 
 def _check_finite(tensors: Sequence[torch.Tensor], what: str) -> None:
     for i, tensor in enumerate(tensors):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             raise ValidationError(f"{what}[{i}]: holds NaN or Inf values; expected finite ones")
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmgrad.compression.base import all_finite
 from swarmgrad.moe.expert_uid import ExpertUID
 from swarmgrad.moe.protocol import BatchTensorDescriptor, check_batch, schema_to_message
 from swarmgrad.moe.server.activation_cache import ActivationCache, CachedForward
@@ -270,7 +271,7 @@ class ModuleBackend:
 
     def _check_finite_gradients(self) -> None:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        if not all(all_finite(g) for g in grads):
             self.module.zero_grad(set_to_none=True)
             raise ValidationError(
                 f"backward of expert {self.name!r}: non-finite parameter gradients (NaN or "
