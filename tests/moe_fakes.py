@@ -18,7 +18,9 @@ Behaviours can be changed between calls (``server.experts[uid].behaviour = "hang
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from torch import nn
 
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
 from swarmgrad.dht import DHT
+from swarmgrad.dht.node import DHTNode
 from swarmgrad.moe.dht_records import declare_experts_on_node
 from swarmgrad.moe.protocol import (
     BACKWARD,
@@ -35,6 +38,8 @@ from swarmgrad.moe.protocol import (
     check_batch,
     schema_to_message,
 )
+from swarmgrad.moe.server import Server
+from swarmgrad.net.peer import Peer
 from swarmgrad.utils.loop_thread import run_coroutine
 
 BEHAVIOURS = {"normal", "raise", "hang", "slow", "nan", "die", "bad_shape"}
@@ -231,3 +236,32 @@ class Swarm:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------- a real server, in-process
+
+
+@contextlib.asynccontextmanager
+async def serving(backends: dict, **server_kwargs):
+    """A real :class:`Server` on a fresh loopback peer (with a lone DHT node) and a client
+    peer: ``(server, client, server address)``; everything is shut down afterwards."""
+    peer = await Peer.create()
+    node = await DHTNode.create(peer, [])
+    server = Server(SimpleNamespace(peer=peer, node=node), backends, **server_kwargs)
+    client = await Peer.create()
+    try:
+        await server.astart()
+        yield server, client, peer.get_visible_maddrs()[0]
+    finally:
+        await server.ashutdown()
+        await client.shutdown()
+        await node.shutdown()
+        await peer.shutdown()
+
+
+async def until(predicate, timeout: float = 30.0) -> None:
+    """Poll state that another thread (the device thread) or the peer's stream handling
+    changes: there is no event to await across threads."""
+    async with asyncio.timeout(timeout):
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)

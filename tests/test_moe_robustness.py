@@ -5,13 +5,11 @@ or hangs. (Cases the per-module test files already cover are not repeated here.)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
-from moe_fakes import FakeExpert, Swarm
+from moe_fakes import FakeExpert, Swarm, serving, until
 from torch import nn
 
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
@@ -41,30 +39,6 @@ def make_backend(uid: str, module: nn.Module | None = None, hidden: int = 4, **k
         args_schema=BatchTensorDescriptor(hidden),
         **kwargs,
     )
-
-
-@contextlib.asynccontextmanager
-async def serving(backends: dict, **server_kwargs):
-    """A server on a loopback peer (with a lone DHT node) and a client peer."""
-    peer = await Peer.create()
-    node = await DHTNode.create(peer, [])
-    server = Server(SimpleNamespace(peer=peer, node=node), backends, **server_kwargs)
-    client = await Peer.create()
-    try:
-        await server.astart()
-        yield server, client, peer.get_visible_maddrs()[0]
-    finally:
-        await server.ashutdown()
-        await client.shutdown()
-        await node.shutdown()
-        await peer.shutdown()
-
-
-async def until(predicate) -> None:
-    """Poll state that another thread or the peer's stream handling changes."""
-    async with asyncio.timeout(TIMEOUT):
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
 
 
 async def forward(client, addr, uid, *tensors, timeout=TIMEOUT):

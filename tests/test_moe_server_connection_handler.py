@@ -4,21 +4,18 @@ request while the server keeps serving."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
+from moe_fakes import serving, until
 from torch import nn
 
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
-from swarmgrad.dht.node import DHTNode
 from swarmgrad.moe import protocol
 from swarmgrad.moe.protocol import BatchTensorDescriptor
-from swarmgrad.moe.server import ModuleBackend, Server
-from swarmgrad.net.peer import Peer
+from swarmgrad.moe.server import ModuleBackend
 from swarmgrad.utils.errors import RemoteError, UnknownHandler
 
 TIMEOUT = 30.0
@@ -46,30 +43,6 @@ def make_backend(uid: str, module: nn.Module | None = None, hidden: int = 4, **k
         args_schema=BatchTensorDescriptor(hidden),
         **kwargs,
     )
-
-
-@contextlib.asynccontextmanager
-async def serving(backends: dict, **server_kwargs):
-    """A server on a fresh loopback peer (with a lone DHT node) and a client peer."""
-    peer = await Peer.create()
-    node = await DHTNode.create(peer, [])
-    server = Server(SimpleNamespace(peer=peer, node=node), backends, **server_kwargs)
-    client = await Peer.create()
-    try:
-        await server.astart()
-        yield server, client, peer.get_visible_maddrs()[0]
-    finally:
-        await server.ashutdown()
-        await client.shutdown()
-        await node.shutdown()
-        await peer.shutdown()
-
-
-async def until(predicate) -> None:
-    """Poll state that the device thread changes (no event to await across threads)."""
-    async with asyncio.timeout(TIMEOUT):
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
 
 
 async def forward(client, addr, uid, *tensors, **extra):
