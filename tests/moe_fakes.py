@@ -265,3 +265,21 @@ async def until(predicate, timeout: float = 30.0) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
+
+
+async def call_forward(client, addr, uid, *tensors, timeout: float = 30.0, **extra):
+    """``moe.forward`` by hand (the request as a client sends it); the output tensors."""
+    request = {"uid": uid, "inputs": tensors_to_message(tensors), **extra}
+    reply = await client.call(addr, FORWARD, request, timeout=timeout)
+    return tensors_from_message(reply["outputs"])
+
+
+async def call_backward(client, addr, uid, inputs, grads, timeout: float = 30.0):
+    """``moe.backward`` by hand; the gradients of the inputs."""
+    request = {
+        "uid": uid,
+        "inputs": tensors_to_message(inputs),
+        "grad_outputs": tensors_to_message(grads),
+    }
+    reply = await client.call(addr, BACKWARD, request, timeout=timeout)
+    return tensors_from_message(reply["grad_inputs"])

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 import torch
-from moe_fakes import FakeExpert, Swarm, serving, until
+from moe_fakes import FakeExpert, Swarm, call_backward, call_forward, serving, until
 from torch import nn
 
-from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
+from swarmgrad.compression.wire import tensors_to_message
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.moe import protocol
@@ -39,22 +39,6 @@ def make_backend(uid: str, module: nn.Module | None = None, hidden: int = 4, **k
         args_schema=BatchTensorDescriptor(hidden),
         **kwargs,
     )
-
-
-async def forward(client, addr, uid, *tensors, timeout=TIMEOUT):
-    request = {"uid": uid, "inputs": tensors_to_message(tensors)}
-    reply = await client.call(addr, protocol.FORWARD, request, timeout=timeout)
-    return tensors_from_message(reply["outputs"])
-
-
-async def backward(client, addr, uid, inputs, grads):
-    request = {
-        "uid": uid,
-        "inputs": tensors_to_message(inputs),
-        "grad_outputs": tensors_to_message(grads),
-    }
-    reply = await client.call(addr, protocol.BACKWARD, request, timeout=TIMEOUT)
-    return tensors_from_message(reply["grad_inputs"])
 
 
 # ---------------------------------------------------------------------- hostile clients
@@ -92,7 +76,7 @@ def test_hostile_request_fields_are_refused_naming_the_field_and_the_server_keep
             for name, request, complaint in cases:
                 with pytest.raises(RemoteError, match=complaint):
                     await client.call(addr, name, request, timeout=TIMEOUT)
-            (out,) = await forward(client, addr, "f.0", x)
+            (out,) = await call_forward(client, addr, "f.0", x)
             assert out.shape == (2, 4)
 
     arun(main)
@@ -103,7 +87,9 @@ def test_backward_without_a_previous_forward_recomputes_it(arun):
 
     async def main():
         async with serving(backends) as (server, client, addr):
-            (grad,) = await backward(client, addr, "f.0", [torch.randn(3, 4)], [torch.ones(3, 4)])
+            (grad,) = await call_backward(
+                client, addr, "f.0", [torch.randn(3, 4)], [torch.ones(3, 4)]
+            )
             assert grad.shape == (3, 4) and torch.isfinite(grad).all()
             assert server.module_backends["f.0"].update_count == 1
 
@@ -121,12 +107,12 @@ def test_non_finite_backward_tensors_are_refused_and_do_not_poison_the_expert(ar
             x, g = torch.randn(3, 4), torch.randn(3, 4)
             (x if where == "inputs" else g)[1, 2] = poison
             with pytest.raises(RemoteError, match=rf"{where} of expert 'f.0'\[0\].*finite"):
-                await backward(client, addr, "f.0", [x], [g])
+                await call_backward(client, addr, "f.0", [x], [g])
             backend = server.module_backends["f.0"]
             assert backend.update_count == 0
             for before, after in zip(weights_before, backend.module.parameters(), strict=True):
                 assert torch.equal(before, after)
-            (out,) = await forward(client, addr, "f.0", torch.randn(2, 4))
+            (out,) = await call_forward(client, addr, "f.0", torch.randn(2, 4))
             assert torch.isfinite(out).all()
 
     arun(main)
@@ -151,12 +137,14 @@ def test_an_update_with_non_finite_parameter_gradients_is_skipped_with_a_clear_e
         async with serving(backends) as (server, client, addr):
             huge = torch.full((2, 4), 1e30)
             with pytest.raises(RemoteError, match=r"f.0.*non-finite.*gradient"):
-                await backward(client, addr, "f.0", [huge], [torch.ones(2, 4)])
+                await call_backward(client, addr, "f.0", [huge], [torch.ones(2, 4)])
             backend = server.module_backends["f.0"]
             assert backend.update_count == 0
             for before, after in zip(weights_before, backend.module.parameters(), strict=True):
                 assert torch.equal(before, after)
-            (grad,) = await backward(client, addr, "f.0", [torch.randn(2, 4)], [torch.ones(2, 4)])
+            (grad,) = await call_backward(
+                client, addr, "f.0", [torch.randn(2, 4)], [torch.ones(2, 4)]
+            )
             assert torch.isfinite(grad).all() and backend.update_count == 1
 
     arun(main)
@@ -186,12 +174,12 @@ def test_callers_that_give_up_mid_request_leak_nothing_and_others_are_served(aru
         async with serving(backends) as (server, client, addr):
             pool = server.module_backends["f.0"].forward_pool
             # the first request occupies the device thread; the next ones queue behind it
-            first = asyncio.create_task(forward(client, addr, "f.0", torch.randn(1, 4)))
+            first = asyncio.create_task(call_forward(client, addr, "f.0", torch.randn(1, 4)))
             try:
                 await asyncio.to_thread(module.entered.wait, TIMEOUT)
                 for _ in range(5):
                     with pytest.raises(DeadlineExceeded):
-                        await forward(client, addr, "f.0", torch.randn(1, 4), timeout=0.2)
+                        await call_forward(client, addr, "f.0", torch.randn(1, 4), timeout=0.2)
                 assert pool.num_pending == 5
                 # the server learns of each give-up from the stream reset, and cancels
                 await until(lambda: all(task.future.cancelled() for task in pool.tasks))
@@ -199,7 +187,7 @@ def test_callers_that_give_up_mid_request_leak_nothing_and_others_are_served(aru
                 module.release.set()
             (out,) = await first
             assert out.shape == (1, 4)
-            (out,) = await forward(client, addr, "f.0", torch.randn(2, 4))
+            (out,) = await call_forward(client, addr, "f.0", torch.randn(2, 4))
             assert out.shape == (2, 4)
             assert pool.num_pending == 0
             assert pool.stats.requests == 2  # the abandoned requests never ran
@@ -214,13 +202,13 @@ def test_a_flood_of_concurrent_requests_is_served_or_refused_clearly(arun):
         async with serving(backends) as (server, client, addr):
             x = torch.randn(1, 4)
             results = await asyncio.gather(
-                *(forward(client, addr, "f.0", x) for _ in range(600)), return_exceptions=True
+                *(call_forward(client, addr, "f.0", x) for _ in range(600)), return_exceptions=True
             )
             errors = [r for r in results if isinstance(r, BaseException)]
             for error in errors:
                 assert isinstance(error, RemoteError) and "calls in flight" in str(error)
             assert len(errors) < 600
-            (out,) = await forward(client, addr, "f.0", x)
+            (out,) = await call_forward(client, addr, "f.0", x)
             assert out.shape == (1, 4)
             assert server.module_backends["f.0"].forward_pool.num_pending == 0
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from moe_fakes import serving, until
+from moe_fakes import call_backward, call_forward, serving, until
 from torch import nn
 
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
@@ -45,22 +45,6 @@ def make_backend(uid: str, module: nn.Module | None = None, hidden: int = 4, **k
     )
 
 
-async def forward(client, addr, uid, *tensors, **extra):
-    request = {"uid": uid, "inputs": tensors_to_message(tensors), **extra}
-    reply = await client.call(addr, protocol.FORWARD, request, timeout=TIMEOUT)
-    return tensors_from_message(reply["outputs"])
-
-
-async def backward(client, addr, uid, inputs, grads):
-    request = {
-        "uid": uid,
-        "inputs": tensors_to_message(inputs),
-        "grad_outputs": tensors_to_message(grads),
-    }
-    reply = await client.call(addr, protocol.BACKWARD, request, timeout=TIMEOUT)
-    return tensors_from_message(reply["grad_inputs"])
-
-
 def test_info_forward_and_backward_answer_like_the_local_module(arun):
     backends = {"f.0": make_backend("f.0")}
     reference = copy.deepcopy(backends["f.0"].module)
@@ -71,9 +55,9 @@ def test_info_forward_and_backward_answer_like_the_local_module(arun):
             assert info["uid"] == "f.0" and info["max_batch_size"] == 4096
             assert protocol.schema_from_message(info["args_schema"]) == (BatchTensorDescriptor(4),)
             x, g = torch.randn(3, 4), torch.randn(3, 4)
-            (out,) = await forward(client, addr, "f.0", x)
+            (out,) = await call_forward(client, addr, "f.0", x)
             assert torch.allclose(out, reference(x))
-            (grad_x,) = await backward(client, addr, "f.0", [x], [g])
+            (grad_x,) = await call_backward(client, addr, "f.0", [x], [g])
             leaf = x.clone().requires_grad_()
             reference(leaf).backward(g)
             assert torch.allclose(grad_x, leaf.grad)
@@ -106,11 +90,11 @@ def test_a_wrong_input_is_a_clear_remote_error_and_the_server_keeps_serving(
     async def main():
         async with serving(backends) as (server, client, addr):
             with pytest.raises(RemoteError, match=complaint) as info:
-                await forward(client, addr, "f.0", tensor)
+                await call_forward(client, addr, "f.0", tensor)
             assert info.value.remote_type == "ValidationError"
             with pytest.raises(RemoteError, match=r"grad_outputs of expert 'f.0'\[0\]"):
-                await backward(client, addr, "f.0", [torch.randn(3, 4)], [tensor])
-            (out,) = await forward(client, addr, "f.0", torch.randn(2, 4))
+                await call_backward(client, addr, "f.0", [torch.randn(3, 4)], [tensor])
+            (out,) = await call_forward(client, addr, "f.0", torch.randn(2, 4))
             assert out.shape == (2, 4)
 
     arun(main)
@@ -143,7 +127,7 @@ def test_malformed_requests_are_refused_with_what_was_expected(arun):
             for name, request, complaint in cases:
                 with pytest.raises(RemoteError, match=complaint):
                     await client.call(addr, name, request, timeout=TIMEOUT)
-            (out,) = await forward(client, addr, "f.0", torch.randn(1, 4))
+            (out,) = await call_forward(client, addr, "f.0", torch.randn(1, 4))
             assert out.shape == (1, 4)
 
     arun(main)
@@ -176,10 +160,10 @@ def test_a_request_above_max_batch_size_is_refused_not_hung(arun):
             with pytest.raises(
                 RemoteError, match=r"'f.0': a request of 9 samples exceeds its max_batch_size of 8"
             ):
-                await forward(client, addr, "f.0", torch.randn(9, 4))
+                await call_forward(client, addr, "f.0", torch.randn(9, 4))
             with pytest.raises(RemoteError, match="exceeds its max_batch_size of 8"):
-                await backward(client, addr, "f.0", [torch.randn(9, 4)], [torch.randn(9, 4)])
-            (out,) = await forward(client, addr, "f.0", torch.randn(8, 4))
+                await call_backward(client, addr, "f.0", [torch.randn(9, 4)], [torch.randn(9, 4)])
+            (out,) = await call_forward(client, addr, "f.0", torch.randn(8, 4))
             assert out.shape == (8, 4)
 
     arun(main)
@@ -192,9 +176,9 @@ def test_an_error_inside_the_module_reaches_every_request_of_its_batch(arun):
         async with serving(backends) as (server, client, addr):
             bad = torch.full((1, 4), 1000.0)
             results = await asyncio.gather(
-                forward(client, addr, "f.0", torch.randn(1, 4)),
-                forward(client, addr, "f.0", bad),
-                forward(client, addr, "f.0", torch.randn(1, 4)),
+                call_forward(client, addr, "f.0", torch.randn(1, 4)),
+                call_forward(client, addr, "f.0", bad),
+                call_forward(client, addr, "f.0", torch.randn(1, 4)),
                 return_exceptions=True,
             )
             for result in results:
@@ -204,7 +188,7 @@ def test_an_error_inside_the_module_reaches_every_request_of_its_batch(arun):
                 assert "RuntimeError: activation overflow in Fragile" in str(result)
             # still serving, and a good batch works
             outs = await asyncio.gather(
-                *(forward(client, addr, "f.0", torch.randn(1, 4)) for _ in range(3))
+                *(call_forward(client, addr, "f.0", torch.randn(1, 4)) for _ in range(3))
             )
             assert all(out.shape == (1, 4) for (out,) in outs)
 
@@ -218,7 +202,7 @@ def test_concurrent_calls_are_batched_and_each_gets_its_own_rows(arun):
     async def main():
         async with serving(backends) as (server, client, addr):
             inputs = [torch.randn(2, 4) for _ in range(4)]
-            outputs = await asyncio.gather(*(forward(client, addr, "f.0", x) for x in inputs))
+            outputs = await asyncio.gather(*(call_forward(client, addr, "f.0", x) for x in inputs))
             for x, (out,) in zip(inputs, outputs, strict=True):
                 assert torch.allclose(out, reference(x), atol=1e-6)
             stats = server.module_backends["f.0"].forward_pool.stats
@@ -232,8 +216,10 @@ def test_empty_requests_are_answered_without_touching_the_expert(arun):
 
     async def main():
         async with serving(backends) as (server, client, addr):
-            (out,) = await forward(client, addr, "f.0", torch.randn(0, 4))
-            (grad,) = await backward(client, addr, "f.0", [torch.randn(0, 4)], [torch.randn(0, 4)])
+            (out,) = await call_forward(client, addr, "f.0", torch.randn(0, 4))
+            (grad,) = await call_backward(
+                client, addr, "f.0", [torch.randn(0, 4)], [torch.randn(0, 4)]
+            )
             assert out.shape == (0, 4) and grad.shape == (0, 4)
             assert server.runtime.batches_processed == 0
 
@@ -279,9 +265,9 @@ def test_after_shutdown_calls_get_unknown_handler_and_queued_ones_an_error(arun)
 
     async def main():
         async with serving(backends) as (server, client, addr):
-            pending = asyncio.ensure_future(forward(client, addr, "b.0", torch.randn(1, 4)))
+            pending = asyncio.ensure_future(call_forward(client, addr, "b.0", torch.randn(1, 4)))
             assert await asyncio.to_thread(entered.wait, TIMEOUT)
-            queued = asyncio.ensure_future(forward(client, addr, "b.0", torch.randn(1, 4)))
+            queued = asyncio.ensure_future(call_forward(client, addr, "b.0", torch.randn(1, 4)))
             await until(lambda: backends["b.0"].forward_pool.num_pending == 1)
             stopping = asyncio.ensure_future(server.ashutdown())
             await until(lambda: server.runtime._stopping)
@@ -292,6 +278,6 @@ def test_after_shutdown_calls_get_unknown_handler_and_queued_ones_an_error(arun)
             with pytest.raises(RemoteError, match=r"b\.0_forward: the server is shutting down"):
                 await queued
             with pytest.raises(UnknownHandler):
-                await forward(client, addr, "b.0", torch.randn(1, 4))
+                await call_forward(client, addr, "b.0", torch.randn(1, 4))
 
     arun(main)
