@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarmgrad.moe.server.runtime import Runtime
-from swarmgrad.moe.server.task_pool import ExpertFailure, TaskPool
+from swarmgrad.moe.server.task_pool import ExpertFailure, ExpertOverloaded, TaskPool
 from swarmgrad.utils.errors import ValidationError
 
 DEADLINE = 30.0
@@ -94,6 +94,34 @@ def test_a_request_larger_than_max_batch_size_is_refused_at_once():
     pool = TaskPool(lambda x: (x,), 4, "e.0_forward")
     with pytest.raises(ValidationError, match=r"e\.0_forward.*5 samples exceeds max_batch_size=4"):
         pool.submit_task(rows(5))
+
+
+def test_a_full_queue_refuses_new_requests_at_once_and_accepts_them_again_when_drained(arun):
+    gate = Gate()
+    pool = TaskPool(gate, 4, "e.0_forward", max_queued_samples=8)
+    runtime = Runtime([pool])
+
+    async def main():
+        runtime.start()
+        try:
+            first = pool.submit_task(rows(1))  # taken by the device thread, which then waits
+            await asyncio.to_thread(gate.entered.wait, DEADLINE)
+            queued = [pool.submit_task(rows(n)) for n in (2, 2, 4)]  # 8 samples wait
+            with pytest.raises(ExpertOverloaded, match=r"8 samples already wait \(at most 8\)"):
+                pool.submit_task(rows(1))
+            gate.release.set()
+            await asyncio.gather(first, *queued)
+            (out,) = await pool.submit_task(rows(1))
+        finally:
+            runtime.shutdown()
+        assert torch.equal(out, rows(1) * 2)
+
+    arun(main)
+
+
+def test_max_queued_samples_below_a_batch_is_refused():
+    with pytest.raises(ValidationError, match="max_queued_samples must be an integer >= max"):
+        TaskPool(lambda x: (x,), 4, "e.0_forward", max_queued_samples=3)
 
 
 def test_the_pool_with_the_oldest_request_runs_first(arun):

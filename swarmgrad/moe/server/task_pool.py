@@ -8,7 +8,9 @@ takes the runtime's lock only long enough to append to a deque.
 
 Batching rules (see :meth:`TaskPool.take_batch`): tasks leave a pool in arrival order,
 a batch never holds more than ``max_batch_size`` samples, and a pool is ready when it
-holds ``min_batch_size`` samples or its oldest task has waited ``timeout`` seconds.
+holds ``min_batch_size`` samples or its oldest task has waited ``timeout`` seconds. At most
+``max_queued_samples`` (default: 16 full batches) wait in a pool; a request beyond that is
+refused at once with :class:`ExpertOverloaded`, so clients move on to other experts.
 """
 
 from __future__ import annotations
@@ -27,15 +29,23 @@ from swarmgrad.utils.errors import SwarmgradError, ValidationError
 if TYPE_CHECKING:
     from swarmgrad.moe.server.runtime import Runtime
 
-__all__ = ["ExpertFailure", "PoolStats", "Task", "TaskPool"]
+__all__ = ["ExpertFailure", "ExpertOverloaded", "PoolStats", "Task", "TaskPool"]
 
 #: how many recent batch sizes a pool remembers for statistics and tests
 RECENT_BATCHES = 1024
+#: default bound on waiting samples, in full batches: a queue longer than this only adds
+#: latency for its callers, and without a bound many callers (or many identities of one)
+#: could make a server hold any amount of request memory
+QUEUED_BATCHES = 16
 
 
 class ExpertFailure(SwarmgradError):
     """An expert could not compute a batch (its module raised, or the server is stopping).
     Every request of the batch receives it; the server keeps running."""
+
+
+class ExpertOverloaded(ExpertFailure):
+    """An expert's queue is full: the request was refused before it was queued."""
 
 
 @dataclass(eq=False)
@@ -81,6 +91,7 @@ class TaskPool:
         name: str,
         min_batch_size: int = 1,
         timeout: float = 0.05,
+        max_queued_samples: int | None = None,
     ):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValidationError(f"pool {name}: max_batch_size must be >= 1, got {max_batch_size}")
@@ -91,6 +102,14 @@ class TaskPool:
             )
         if timeout < 0:
             raise ValidationError(f"pool {name}: timeout must be >= 0, got {timeout}")
+        if max_queued_samples is None:
+            max_queued_samples = QUEUED_BATCHES * max_batch_size
+        if not isinstance(max_queued_samples, int) or max_queued_samples < max_batch_size:
+            raise ValidationError(
+                f"pool {name}: max_queued_samples must be an integer >= max_batch_size="
+                f"{max_batch_size}, got {max_queued_samples!r}"
+            )
+        self.max_queued_samples = max_queued_samples
         self.process_func = process_func
         self.name = name
         self.max_batch_size = max_batch_size
@@ -116,6 +135,11 @@ class TaskPool:
             raise ValidationError(
                 f"{self.name}: a request of {size} samples exceeds max_batch_size="
                 f"{self.max_batch_size}; split it into smaller requests"
+            )
+        if self.queued_samples + size > self.max_queued_samples:
+            raise ExpertOverloaded(
+                f"{self.name}: {self.queued_samples} samples already wait (at most "
+                f"{self.max_queued_samples}); try another expert or later"
             )
         runtime = self.runtime
         if runtime is None:
