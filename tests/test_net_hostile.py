@@ -16,6 +16,7 @@ import pytest
 from conftest import run_checked
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from peer_helpers import shutdown, two_peers
 from test_mux import MemoryTransport, connected_pair, settle
 
 from swarmgrad.net import framing, rpc
@@ -49,6 +50,20 @@ def feed(conn: Connection, data: bytes, chunk: int | None = None) -> None:
         conn.buffer_updated(n)
 
 
+def listener_and_valid_hello() -> tuple[Connection, dict]:
+    """A listening Connection on an in-memory transport, and a valid HELLO (as a map) that
+    a test may spoil before feeding it."""
+    loop = asyncio.get_running_loop()
+    conn = Connection(Identity.generate(), is_dialer=False)
+    transport, other_end = MemoryTransport(loop), MemoryTransport(loop)
+    transport.peer, transport.protocol = other_end, conn
+    conn.connection_made(transport)
+    hello = msgpack.unpackb(
+        make_hello(Identity.generate(), initial_window=65536, max_frame=65536).encode()
+    )
+    return conn, hello
+
+
 def record_loop_errors() -> list[dict]:
     """Exceptions escaping a callback (e.g. from buffer_updated) go to the loop's handler."""
     errors: list[dict] = []
@@ -74,14 +89,7 @@ def record_loop_errors() -> list[dict]:
 def test_hello_field_of_the_wrong_type_is_a_protocol_violation_naming_it(field, value):
     async def main():
         errors = record_loop_errors()
-        loop = asyncio.get_running_loop()
-        conn = Connection(Identity.generate(), is_dialer=False)
-        transport, other_end = MemoryTransport(loop), MemoryTransport(loop)
-        transport.peer, transport.protocol = other_end, conn
-        conn.connection_made(transport)
-        hello = msgpack.unpackb(
-            make_hello(Identity.generate(), initial_window=65536, max_frame=65536).encode()
-        )
+        conn, hello = listener_and_valid_hello()
         hello[field] = value
         feed(conn, frame(FrameType.HELLO, 0, msgpack.packb(hello)))
         await settle()
@@ -115,14 +123,7 @@ _HELLO_KEYS = st.sampled_from(["v", "min_v", "id", "nonce", "features", "window"
 def test_fuzzed_hello_is_accepted_or_refused_with_a_swarmgrad_error(replacements, drop):
     async def main():
         errors = record_loop_errors()
-        loop = asyncio.get_running_loop()
-        conn = Connection(Identity.generate(), is_dialer=False)
-        transport, other_end = MemoryTransport(loop), MemoryTransport(loop)
-        transport.peer, transport.protocol = other_end, conn
-        conn.connection_made(transport)
-        hello = msgpack.unpackb(
-            make_hello(Identity.generate(), initial_window=65536, max_frame=65536).encode()
-        )
+        conn, hello = listener_and_valid_hello()
         hello.update(replacements)
         if drop and replacements:
             del hello[next(iter(replacements))]
@@ -246,22 +247,6 @@ def test_ping_or_open_flood_from_a_peer_that_never_reads_is_cut_off(flood):
 
 
 # ------------------------------------------------------------------ RPC over real peers
-
-
-async def echo(request, context):
-    return request
-
-
-async def two_peers(**server_kwargs):
-    server = await Peer.create(**server_kwargs)
-    client = await Peer.create()
-    server.add_handler("echo", echo)
-    return server, client, server.get_visible_maddrs()[0]
-
-
-async def shutdown(*peers):
-    for p in peers:
-        await p.shutdown()
 
 
 def test_overlong_call_header_is_refused_and_not_cached(arun):

@@ -10,11 +10,12 @@ import ssl
 from collections.abc import AsyncIterator
 
 import pytest
+from peer_helpers import echo, shutdown, two_peers
 
 from swarmgrad.net.identity import Identity
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.peer import Peer
-from swarmgrad.net.rpc import Blob, RPCContext, ServicerBase
+from swarmgrad.net.rpc import Blob, ServicerBase
 from swarmgrad.utils.errors import (
     ConnectionClosed,
     DeadlineExceeded,
@@ -25,22 +26,6 @@ from swarmgrad.utils.errors import (
     UnknownHandler,
     ValidationError,
 )
-
-
-async def echo(request, context: RPCContext):
-    return request
-
-
-async def two_peers(**server_kwargs):
-    server = await Peer.create(**server_kwargs)
-    client = await Peer.create()
-    server.add_handler("echo", echo)
-    return server, client, server.get_visible_maddrs()[0]
-
-
-async def shutdown(*peers):
-    for p in peers:
-        await p.shutdown()
 
 
 def test_unary_call_round_trips_values_and_blobs(arun):
