@@ -167,7 +167,10 @@ class DHTNode:
         self._pending_gets: dict[tuple[DHTID, bool], asyncio.Future] = {}
         self._hot_cache_keys: dict[DHTID, bytes] = {}  # key id -> serialized key
         self._serialized_keys: dict[DHTID, bytes] = {}  # stored key ids -> serialized keys
-        self._address_text: dict[PeerID, tuple[int, tuple[str, ...]]] = {}
+        # per peer: (the address tuple it was made from, its find-answer entry)
+        self._address_entries: dict[PeerID, tuple[tuple, tuple[PeerID, tuple[str, ...]]]] = {}
+        self._learned_texts: dict[PeerID, tuple[str, ...]] = {}  # addresses already parsed
+        self._sender: dict | None = None  # our sender info, rebuilt every maintenance tick
         self._warned_skew: set[PeerID] = set()
         self._tasks: set[asyncio.Task] = set()
         self._background: list[asyncio.Task] = []
@@ -225,6 +228,17 @@ class DHTNode:
                 "could not reach any initial peer: " + "; ".join(errors or map(str, initial_peers))
             )
         await self._lookup(self.node_id, find_value=False)  # fill the routing table
+        # Then, as in the Kademlia paper, refresh every bucket farther away than our own:
+        # a lookup of a random id in each range fills the table across the whole id space
+        # and introduces us to the nodes there, so the first lookups after joining meet
+        # known (often already connected) nodes instead of discovering them hop by hop.
+        own = self.routing.get_bucket_index(self.node_id)
+        probes = [
+            DHTID(random.randrange(bucket.lower, bucket.upper))
+            for index, bucket in enumerate(self.routing.buckets)
+            if index != own
+        ]
+        await asyncio.gather(*(self._lookup(p, find_value=False) for p in probes))
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -251,8 +265,12 @@ class DHTNode:
     # ------------------------------------------------------------------ knowing peers
 
     def _sender_info(self) -> dict:
-        maddrs = [str(m) for m in self.peer.get_visible_maddrs()]
-        return protocol.encode_ping(maddrs, self.client_mode)
+        """Our addresses as sent with every request (shared: do not modify). Rebuilt each
+        maintenance tick, so an address gained through a relay is announced within ~1 s."""
+        if self._sender is None:
+            maddrs = [str(m) for m in self.peer.get_visible_maddrs()]
+            self._sender = protocol.encode_ping(maddrs, self.client_mode)
+        return self._sender
 
     def _heard_from(self, peer_id: PeerID, sender: Any) -> None:
         """A node talked to us or answered us: learn its addresses and (if it serves the
@@ -268,9 +286,14 @@ class DHTNode:
         self._learn_addresses(peer_id, maddrs)
         self._add_node(peer_id)
 
-    def _learn_addresses(self, peer_id: PeerID, texts: Iterable[str]) -> bool:
+    def _learn_addresses(self, peer_id: PeerID, texts: Sequence[str]) -> bool:
         """Add the well-formed addresses to the peer's address book; True if any was.
-        Each is pinned to peer_id, so a lying node can only send us to a failed dial."""
+        Each is pinned to peer_id, so a lying node can only send us to a failed dial.
+        The same texts as last time for this peer are not parsed again (every request and
+        most find answers repeat them)."""
+        texts = tuple(texts)
+        if texts and self._learned_texts.get(peer_id) == texts:
+            return True
         addresses = []
         for text in texts:
             try:
@@ -279,6 +302,8 @@ class DHTNode:
                 continue
         if addresses:
             self.peer.add_addresses(peer_id, addresses)
+            if len(addresses) == len(texts):
+                self._learned_texts[peer_id] = texts
         return bool(addresses)
 
     def _add_node(self, peer_id: PeerID) -> None:
@@ -297,19 +322,22 @@ class DHTNode:
                 del self.routing[node_id]
             self.routing.add_or_update_node(DHTID.for_peer(replacement), replacement)
 
-    def _addresses_of(self, peer_id: PeerID) -> tuple[str, ...]:
-        """A peer's addresses as sent in find answers (formatted once per change)."""
-        known = self.peer._addresses.get(peer_id, ())
-        cached = self._address_text.get(peer_id)
-        if cached is None or cached[0] != len(known):
-            cached = (len(known), tuple(str(m) for m in known[: protocol.MAX_ADDRS]))
-            self._address_text[peer_id] = cached
+    def _answer_entry(self, peer_id: PeerID) -> tuple[PeerID, tuple[str, ...]]:
+        """A peer as listed in find answers: (peer id, address texts), formatted once
+        per change of its address book."""
+        known = self.peer.addresses_of(peer_id)
+        cached = self._address_entries.get(peer_id)
+        if cached is None or cached[0] is not known:
+            cached = (known, (peer_id, tuple(str(m) for m in known[: protocol.MAX_ADDRS])))
+            self._address_entries[peer_id] = cached
         return cached[1]
 
     def _forget(self, peer_id: PeerID) -> None:
         node_id = DHTID.for_peer(peer_id)
         if node_id in self.routing:
             del self.routing[node_id]
+        self._address_entries.pop(peer_id, None)
+        self._learned_texts.pop(peer_id, None)
 
     # ------------------------------------------------------------------ outgoing calls
 
@@ -334,7 +362,7 @@ class DHTNode:
         return response
 
     async def ping(self, peer_id: PeerID) -> bool:
-        response = await self._call(peer_id, protocol.PING, self._sender_info())
+        response = await self._call(peer_id, protocol.PING, dict(self._sender_info()))
         if response is None:
             return False
         try:
@@ -771,9 +799,7 @@ class DHTNode:
             nearest = self.routing.get_nearest_neighbors(key_id, k, exclude=requester)
             record = _fit_record(self._local_record(key_id), budget)
             budget -= _record_size(record)
-            answers.append(
-                FindAnswer(record, tuple((pid, self._addresses_of(pid)) for _, pid in nearest))
-            )
+            answers.append(FindAnswer(record, tuple(self._answer_entry(p) for _, p in nearest)))
         return protocol.encode_find_result(answers)
 
     # ------------------------------------------------------------------ maintenance
@@ -784,6 +810,7 @@ class DHTNode:
         last_bucket_refresh = self.time_fn()
         while True:
             await asyncio.sleep(tick)
+            self._sender = None
             if self._handoff_queue:
                 newcomers, self._handoff_queue = self._handoff_queue, set()
                 await self._hand_off(newcomers)

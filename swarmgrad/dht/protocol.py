@@ -198,7 +198,7 @@ def encode_find_result(answers: list[FindAnswer]) -> dict:
             encoded_record = {"dict": [list(entry) for entry in record.dictionary]}
         else:
             encoded_record = {"value": record.value, "exp": record.expiration_time}
-        nearest = [[pid.to_bytes(), list(addrs)] for pid, addrs in answer.nearest]
+        nearest = [(pid.to_bytes(), addrs) for pid, addrs in answer.nearest]  # tuples pack as arrays
         out.append({"record": encoded_record, "nearest": nearest})
     return {"answers": out}
 
@@ -227,9 +227,11 @@ def decode_find_result(message: Any, expected: int) -> list[FindAnswer]:
                 raise ValueError(f"at most {MAX_NEAREST} nearest nodes")
             nearest = []
             for raw_pid, addrs in raw_nearest:
-                if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
-                    raise ValueError("addresses must be strings")
-                nearest.append((PeerID.intern(raw_pid), tuple(addrs[:MAX_ADDRS])))
+                if addrs.__class__ is not list and addrs.__class__ is not tuple:
+                    raise ValueError("addresses must be a list of strings")
+                addrs = tuple(addrs[:MAX_ADDRS])
+                "".join(addrs)  # TypeError unless every address is a string (checked in C)
+                nearest.append((PeerID.intern(raw_pid), addrs))
             answers.append(FindAnswer(record, tuple(nearest)))
         return answers
     except (KeyError, TypeError, ValueError) as e:

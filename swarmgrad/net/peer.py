@@ -12,7 +12,6 @@ the simulated network; the protocol code above never knows which.
 from __future__ import annotations
 
 import asyncio
-import collections
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -35,6 +34,7 @@ from swarmgrad.utils.errors import (
 logger = logging.getLogger(__name__)
 
 RAW_PROTOCOL_PREFIX = b"\x00raw:"  # stream headers of non-RPC protocols (e.g. relays)
+MAX_ADDRESSES_PER_PEER = 16
 
 
 class Peer:
@@ -73,8 +73,9 @@ class Peer:
         self._connections: dict[PeerID, Connection] = {}
         self._all_connections: set[Connection] = set()
         self._dialing: dict[Any, asyncio.Future[Connection]] = {}
-        self._addresses: dict[PeerID, list[Multiaddr]] = collections.defaultdict(list)
-        self._inflight: collections.Counter[PeerID] = collections.Counter()
+        # immutable tuples, replaced on change: callers may cache what they derive from one
+        self._addresses: dict[PeerID, tuple[Multiaddr, ...]] = {}
+        self._inflight: dict[PeerID, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._relayed_addrs: list[Multiaddr] = []
         self._closed = False
@@ -183,11 +184,21 @@ class Peer:
     # ------------------------------------------------------------------ addresses & connections
 
     def add_addresses(self, peer_id: PeerID, maddrs: Iterable[str | Multiaddr]) -> None:
-        known = self._addresses[peer_id]
+        """Remember where ``peer_id`` can be dialed. At most MAX_ADDRESSES_PER_PEER are
+        kept, the most recently added: a peer that announces a new address on every
+        message cannot grow our address book without bound."""
+        known = self._addresses.get(peer_id, ())
+        added = list(known)
         for maddr in maddrs:
             address = Multiaddr.parse(maddr)
-            if address not in known:
-                known.append(address)
+            if address not in added:
+                added.append(address)
+        if len(added) != len(known):
+            self._addresses[peer_id] = tuple(added[-MAX_ADDRESSES_PER_PEER:])
+
+    def addresses_of(self, peer_id: PeerID) -> tuple[Multiaddr, ...]:
+        """The addresses known for ``peer_id`` (the same tuple until they change)."""
+        return self._addresses.get(peer_id, ())
 
     def is_connected(self, peer_id: PeerID) -> bool:
         conn = self._connections.get(peer_id)
@@ -347,13 +358,15 @@ class Peer:
             stream.reset(str(e))
             return
         remote = stream.remote_peer_id
+        inflight = self._inflight
+        in_flight = inflight.get(remote, 0)
         refuse = None
-        if self._inflight[remote] >= self.max_concurrent_calls_per_peer:
+        if in_flight >= self.max_concurrent_calls_per_peer:
             refuse = (
-                f"{remote} already has {self._inflight[remote]} calls in flight on "
+                f"{remote} already has {in_flight} calls in flight on "
                 f"{self.peer_id} (limit {self.max_concurrent_calls_per_peer})"
             )
-        self._inflight[remote] += 1
+        inflight[remote] = in_flight + 1
         try:
             await rpc.serve_call(
                 stream,
@@ -364,9 +377,11 @@ class Peer:
                 refuse_reason=refuse,
             )
         finally:
-            self._inflight[remote] -= 1
-            if self._inflight[remote] <= 0:
-                del self._inflight[remote]
+            left = inflight[remote] - 1
+            if left > 0:
+                inflight[remote] = left
+            else:
+                del inflight[remote]
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = self._loop.create_task(coro)
