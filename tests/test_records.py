@@ -14,8 +14,8 @@ from swarmgrad.utils.errors import FrameTooLarge, ProtocolViolation
 
 
 def _pair():
-    a, b = records.derive_keys(os.urandom(32), os.urandom(32))
-    return records.Sealer(a), records.Opener(a)
+    key = records.direction_key(os.urandom(32), from_dialer=True)
+    return records.Sealer(key), records.Opener(key)
 
 
 def _open_all(opener, buffers):
@@ -46,13 +46,22 @@ def test_large_plaintext_is_split_into_bounded_records():
     assert _open_all(opener, buffers) == data
 
 
-def test_keys_differ_per_direction_and_depend_on_both_shares():
-    s1, s2 = os.urandom(32), os.urandom(32)
-    a, b = records.derive_keys(s1, s2)
-    assert a != b
-    assert records.derive_keys(s1, os.urandom(32))[0] != a
+def test_keys_differ_per_direction_and_per_share():
+    share = os.urandom(32)
+    to_listener = records.direction_key(share, from_dialer=True)
+    assert to_listener == records.direction_key(share, from_dialer=True)
+    assert to_listener != records.direction_key(share, from_dialer=False)
+    assert to_listener != records.direction_key(os.urandom(32), from_dialer=True)
     with pytest.raises(ProtocolViolation, match="32 bytes"):
-        records.derive_keys(b"short", s2)
+        records.direction_key(b"short", from_dialer=True)
+
+
+def test_a_record_reflected_back_to_its_sender_fails_authentication():
+    share = os.urandom(32)  # even if both sides drew the same share
+    sealed = records.Sealer(records.direction_key(share, from_dialer=True)).seal(b"hello")
+    opener = records.Opener(records.direction_key(share, from_dialer=False))
+    with pytest.raises(ProtocolViolation, match="failed authentication"):
+        _open_all(opener, sealed)
 
 
 @given(st.integers(min_value=0, max_value=40), st.integers(min_value=1, max_value=255))

@@ -45,8 +45,9 @@ __all__ = [
     "server_ssl_context",
 ]
 
-FAST_RECORDS_ALPN = "swarmgrad/2"
-"""ALPN id of TLS 1.3 handshake + AES-GCM bulk records (see swarmgrad.net.records)."""
+FAST_RECORDS_ALPN = "swarmgrad/3"
+"""ALPN id of TLS 1.3 handshake + AES-GCM bulk records keyed per direction (see
+swarmgrad.net.records; swarmgrad/2 keyed both directions from both shares)."""
 ALPN_PROTOCOL = "swarmgrad/1"
 """ALPN id of plain TLS 1.3 records; chosen when either side does not offer the fast one."""
 TLS_RECORDS_ENV = "SWARMGRAD_TLS_RECORDS"
