@@ -17,7 +17,7 @@ from swarmgrad.dht import protocol
 from swarmgrad.dht.node import DHTNode, serialize
 from swarmgrad.dht.protocol import StoreItem
 from swarmgrad.dht.routing import DHTID
-from swarmgrad.net.peer import Peer
+from swarmgrad.net.peer import MAX_ADDRESSES_PER_PEER, Peer
 from swarmgrad.utils.errors import RemoteError
 from swarmgrad.utils.timeutils import get_dht_time
 
@@ -186,6 +186,22 @@ def test_thousands_of_subkeys_do_not_make_finds_of_that_key_fail(arun):
     arun(main)
 
 
+def test_a_peer_announcing_new_addresses_on_every_ping_cannot_grow_our_address_book(arun):
+    async def main():
+        node, attacker, addr = await node_and_attacker()
+        for i in range(200):
+            maddrs = [f"/ip4/10.1.{i}.{j}/tcp/{2000 + j}" for j in range(protocol.MAX_ADDRS)]
+            reply = await attacker.call(addr, protocol.PING, {"maddrs": maddrs, "client": False})
+            protocol.decode_pong(reply)
+        book = node.peer.addresses_of(attacker.peer_id)
+        assert len(book) <= MAX_ADDRESSES_PER_PEER
+        assert str(book[-1]).startswith("/ip4/10.1.199.")  # the newest are kept
+        await well_behaved_round_trip(attacker, addr, "after-addresses")
+        await stop(node, attacker)
+
+    arun(main)
+
+
 def test_ping_with_huge_address_lists_learns_at_most_a_few(arun):
     async def main():
         node, attacker, addr = await node_and_attacker()
@@ -193,7 +209,7 @@ def test_ping_with_huge_address_lists_learns_at_most_a_few(arun):
         maddrs += ["/not/a/maddr", "", "/ip4/999.1.1.1/tcp/1", "/ip4/1.1.1.1/tcp/99999"]
         reply = await attacker.call(addr, protocol.PING, {"maddrs": maddrs, "client": False})
         protocol.decode_pong(reply)
-        assert len(node.peer._addresses[attacker.peer_id]) <= protocol.MAX_ADDRS
+        assert len(node.peer.addresses_of(attacker.peer_id)) <= protocol.MAX_ADDRS
         await asyncio.sleep(0)
         await well_behaved_round_trip(attacker, addr, "after-ping")
         await stop(node, attacker)

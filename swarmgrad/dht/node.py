@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ import msgpack
 
 from swarmgrad.dht import protocol
 from swarmgrad.dht.protocol import FindAnswer, FoundRecord, StoreItem
-from swarmgrad.dht.routing import DHTID, RoutingTable
+from swarmgrad.dht.routing import DHTID, ID_BITS, RoutingTable
 from swarmgrad.dht.storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration
 from swarmgrad.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from swarmgrad.net.identity import PeerID
@@ -50,6 +51,9 @@ from swarmgrad.utils.errors import (
 from swarmgrad.utils.timeutils import get_dht_time
 
 logger = logging.getLogger(__name__)
+
+_RERANK_INTERVAL = 1.0  # seconds: see DHTNode._add_node
+_MAX_TRACKED_PEERS = 65536
 
 NO_SUBKEY = b""  # the DHTRecord subkey of a plain (non-dictionary) value
 
@@ -167,8 +171,10 @@ class DHTNode:
         self._pending_gets: dict[tuple[DHTID, bool], asyncio.Future] = {}
         self._hot_cache_keys: dict[DHTID, bytes] = {}  # key id -> serialized key
         self._serialized_keys: dict[DHTID, bytes] = {}  # stored key ids -> serialized keys
-        # per peer: (the address tuple it was made from, its find-answer entry)
-        self._address_entries: dict[PeerID, tuple[tuple, tuple[PeerID, tuple[str, ...]]]] = {}
+        # per peer: its find-answer entry, valid while the peer's address book is unchanged
+        self._answer_entries: dict[PeerID, tuple[PeerID, tuple[str, ...]]] = {}
+        self._answer_entries_version = -1
+        self._last_added: dict[PeerID, float] = {}  # loop time each node was last re-ranked
         self._learned_texts: dict[PeerID, tuple[str, ...]] = {}  # addresses already parsed
         self._sender: dict | None = None  # our sender info, rebuilt every maintenance tick
         self._warned_skew: set[PeerID] = set()
@@ -227,18 +233,19 @@ class DHTNode:
             raise PeerUnreachable(
                 "could not reach any initial peer: " + "; ".join(errors or map(str, initial_peers))
             )
-        await self._lookup(self.node_id, find_value=False)  # fill the routing table
-        # Then, as in the Kademlia paper, refresh every bucket farther away than our own:
-        # a lookup of a random id in each range fills the table across the whole id space
-        # and introduces us to the nodes there, so the first lookups after joining meet
-        # known (often already connected) nodes instead of discovering them hop by hop.
-        own = self.routing.get_bucket_index(self.node_id)
-        probes = [
-            DHTID(random.randrange(bucket.lower, bucket.upper))
-            for index, bucket in enumerate(self.routing.buckets)
-            if index != own
-        ]
-        await asyncio.gather(*(self._lookup(p, find_value=False) for p in probes))
+        own = await self._lookup(self.node_id, find_value=False)  # fill the routing table
+        # Then, as in the Kademlia paper, refresh every distance range farther away than
+        # our nearest neighbour: a lookup of a random id at distance [2^i, 2^(i+1)) for
+        # each such i (about log2 of the swarm's size of them) fills the table across the
+        # whole id space and introduces us to the nodes there, so the first lookups after
+        # joining meet known (often already connected) nodes.
+        if own.nearest:
+            first = (own.nearest[0][0] ^ self.node_id).bit_length()
+            probes = [
+                DHTID(self.node_id ^ (1 << i | random.getrandbits(i)))
+                for i in range(first, ID_BITS)
+            ]
+            await asyncio.gather(*(self._lookup(p, find_value=False) for p in probes))
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -307,6 +314,17 @@ class DHTNode:
         return bool(addresses)
 
     def _add_node(self, peer_id: PeerID) -> None:
+        """We heard from a DHT node: add it to the routing table or rank it most recently
+        seen there. A node heard from again within ``_RERANK_INTERVAL`` keeps its rank:
+        every request and answer lands here, and the order only decides which node a full
+        bucket asks to prove it is alive, which a second's difference does not change."""
+        now = self._loop.time()
+        last_added = self._last_added
+        if now - last_added.get(peer_id, -math.inf) < _RERANK_INTERVAL:
+            return
+        if len(last_added) > _MAX_TRACKED_PEERS:
+            last_added.clear()
+        last_added[peer_id] = now
         node_id = DHTID.for_peer(peer_id)
         is_new = node_id not in self.routing
         stale = self.routing.add_or_update_node(node_id, peer_id)
@@ -317,27 +335,35 @@ class DHTNode:
 
     async def _check_stale(self, node_id: DHTID, peer_id: PeerID, replacement: PeerID) -> None:
         """A bucket is full: keep its least recently seen node if it still answers."""
-        if not await self.ping(peer_id):
-            if node_id in self.routing:
-                del self.routing[node_id]
-            self.routing.add_or_update_node(DHTID.for_peer(replacement), replacement)
+        if await self.ping(peer_id):
+            if node_id in self.routing:  # it answered: rank it fresh (not throttled)
+                self.routing.add_or_update_node(node_id, peer_id)
+            return
+        if node_id in self.routing:
+            del self.routing[node_id]
+        self.routing.add_or_update_node(DHTID.for_peer(replacement), replacement)
+
+    def _answer_entries_now(self) -> dict[PeerID, tuple[PeerID, tuple[str, ...]]]:
+        """Find-answer entries made so far (forgotten whenever an address book changes)."""
+        version = self.peer.address_book_version
+        if version != self._answer_entries_version:
+            self._answer_entries.clear()
+            self._answer_entries_version = version
+        return self._answer_entries
 
     def _answer_entry(self, peer_id: PeerID) -> tuple[PeerID, tuple[str, ...]]:
-        """A peer as listed in find answers: (peer id, address texts), formatted once
-        per change of its address book."""
-        known = self.peer.addresses_of(peer_id)
-        cached = self._address_entries.get(peer_id)
-        if cached is None or cached[0] is not known:
-            cached = (known, (peer_id, tuple(str(m) for m in known[: protocol.MAX_ADDRS])))
-            self._address_entries[peer_id] = cached
-        return cached[1]
+        """A peer as listed in find answers: (peer id, address texts)."""
+        texts = tuple(str(m) for m in self.peer.addresses_of(peer_id)[: protocol.MAX_ADDRS])
+        entry = self._answer_entries[peer_id] = (peer_id, texts)
+        return entry
 
     def _forget(self, peer_id: PeerID) -> None:
         node_id = DHTID.for_peer(peer_id)
         if node_id in self.routing:
             del self.routing[node_id]
-        self._address_entries.pop(peer_id, None)
+        self._answer_entries.pop(peer_id, None)
         self._learned_texts.pop(peer_id, None)
+        self._last_added.pop(peer_id, None)
 
     # ------------------------------------------------------------------ outgoing calls
 
@@ -541,10 +567,11 @@ class DHTNode:
         stored = [False] * len(items)
 
         async def replicate(key_id: DHTID, indices: list[int]) -> None:
-            # search twice as wide as the replicas, then store on the nearest few: a search
-            # for only num_replicas nodes stops early at a local minimum of a sparse routing
-            # table, one as wide as a bucket costs twice the RPCs for the same nodes
-            width = min(self.bucket_size, 2 * self.num_replicas)
+            # search as wide as a latest-get reads (two nodes beyond the replicas), then
+            # store on the nearest few: a search for only num_replicas nodes can stop early
+            # at a local minimum of a sparse routing table; a wider one costs an RPC per
+            # extra node on every store for nodes no reader asks
+            width = min(self.bucket_size, self.num_replicas + 2)
             lookup = await self._lookup(key_id, find_value=False, k=width)
             nearest = lookup.nearest[: self.num_replicas]
             targets = [peer_id for _, peer_id in nearest]
@@ -793,13 +820,15 @@ class DHTNode:
         k = protocol.requested_neighbors(request, self.bucket_size)
         self._heard_from(context.remote_id, request.get("sender"))
         requester = DHTID.for_peer(context.remote_id)
+        entries = self._answer_entries_now()
         answers = []
         budget = protocol.MAX_ANSWER_RECORD_BYTES
         for key_id in key_ids:
             nearest = self.routing.get_nearest_neighbors(key_id, k, exclude=requester)
             record = _fit_record(self._local_record(key_id), budget)
             budget -= _record_size(record)
-            answers.append(FindAnswer(record, tuple(self._answer_entry(p) for _, p in nearest)))
+            listed = [entries.get(p) or self._answer_entry(p) for _, p in nearest]
+            answers.append(FindAnswer(record, tuple(listed)))
         return protocol.encode_find_result(answers)
 
     # ------------------------------------------------------------------ maintenance

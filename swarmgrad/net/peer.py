@@ -75,6 +75,7 @@ class Peer:
         self._dialing: dict[Any, asyncio.Future[Connection]] = {}
         # immutable tuples, replaced on change: callers may cache what they derive from one
         self._addresses: dict[PeerID, tuple[Multiaddr, ...]] = {}
+        self.address_book_version = 0  # counts changes of _addresses, for callers' caches
         self._inflight: dict[PeerID, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._relayed_addrs: list[Multiaddr] = []
@@ -195,6 +196,7 @@ class Peer:
                 added.append(address)
         if len(added) != len(known):
             self._addresses[peer_id] = tuple(added[-MAX_ADDRESSES_PER_PEER:])
+            self.address_book_version += 1
 
     def addresses_of(self, peer_id: PeerID) -> tuple[Multiaddr, ...]:
         """The addresses known for ``peer_id`` (the same tuple until they change)."""
