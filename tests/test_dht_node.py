@@ -209,37 +209,6 @@ def test_hot_cached_keys_are_refreshed_before_they_expire():
     assert cached is not None and cached.expiration_time == now + 120
 
 
-def test_a_newcomer_refreshes_every_farther_distance_range_on_joining():
-    """Kademlia's join: after the lookup of its own id, the newcomer looks up a random id
-    at each distance [2^i, 2^(i+1)) farther than its nearest neighbour, so every such
-    range that holds live nodes is represented in its table. Bootstrapped from the node
-    nearest to its own id, with the self-lookup alone it would know only its own
-    neighbourhood (a bucket of 4 nodes)."""
-
-    async def main(network):
-        rng = random.Random(7)
-        nodes = await make_nodes(network, 80, rng, bucket_size=4)
-        peer = await create_sim_peer(network, rng=rng)
-        own = DHTID.for_peer(peer.peer_id)
-        entry = min(nodes, key=lambda n: n.node_id ^ own)
-        newcomer = await DHTNode.create(
-            peer,
-            [str(entry.peer.get_visible_maddrs()[0])],
-            bucket_size=4,
-            time_fn=lambda: EPOCH + asyncio.get_running_loop().time(),
-        )
-        known = {(node_id ^ own).bit_length() for node_id in newcomer.routing.uid_to_peer_id}
-        swarm = {(n.node_id ^ own).bit_length() for n in nodes}
-        nearest = min(swarm)
-        await stop([*nodes, newcomer])
-        return known, swarm, nearest
-
-    known, swarm, nearest = run_simulation(main, latency=0.01)
-    farther = {r for r in swarm if r > nearest}
-    assert len(farther) >= 4
-    assert farther <= known
-
-
 def test_a_node_heard_again_within_a_second_keeps_its_rank():
     """Every request and answer reaches _add_node; re-ranking a node heard moments ago
     only costs CPU, so it happens at most once a second per node, and a node that was

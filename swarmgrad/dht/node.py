@@ -34,7 +34,7 @@ import msgpack
 
 from swarmgrad.dht import protocol
 from swarmgrad.dht.protocol import FindAnswer, FoundRecord, StoreItem
-from swarmgrad.dht.routing import DHTID, ID_BITS, RoutingTable
+from swarmgrad.dht.routing import DHTID, RoutingTable
 from swarmgrad.dht.storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration
 from swarmgrad.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from swarmgrad.net.identity import PeerID
@@ -233,19 +233,7 @@ class DHTNode:
             raise PeerUnreachable(
                 "could not reach any initial peer: " + "; ".join(errors or map(str, initial_peers))
             )
-        own = await self._lookup(self.node_id, find_value=False)  # fill the routing table
-        # Then, as in the Kademlia paper, refresh every distance range farther away than
-        # our nearest neighbour: a lookup of a random id at distance [2^i, 2^(i+1)) for
-        # each such i (about log2 of the swarm's size of them) fills the table across the
-        # whole id space and introduces us to the nodes there, so the first lookups after
-        # joining meet known (often already connected) nodes.
-        if own.nearest:
-            first = (own.nearest[0][0] ^ self.node_id).bit_length()
-            probes = [
-                DHTID(self.node_id ^ (1 << i | random.getrandbits(i)))
-                for i in range(first, ID_BITS)
-            ]
-            await asyncio.gather(*(self._lookup(p, find_value=False) for p in probes))
+        await self._lookup(self.node_id, find_value=False)  # fill the routing table
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -310,6 +298,8 @@ class DHTNode:
         if addresses:
             self.peer.add_addresses(peer_id, addresses)
             if len(addresses) == len(texts):
+                if len(self._learned_texts) > _MAX_TRACKED_PEERS:
+                    self._learned_texts.clear()
                 self._learned_texts[peer_id] = texts
         return bool(addresses)
 
@@ -567,11 +557,11 @@ class DHTNode:
         stored = [False] * len(items)
 
         async def replicate(key_id: DHTID, indices: list[int]) -> None:
-            # search as wide as a latest-get reads (two nodes beyond the replicas), then
-            # store on the nearest few: a search for only num_replicas nodes can stop early
-            # at a local minimum of a sparse routing table; a wider one costs an RPC per
-            # extra node on every store for nodes no reader asks
-            width = min(self.bucket_size, self.num_replicas + 2)
+            # search twice as wide as the replicas, then store on the nearest few: a search
+            # for only num_replicas nodes stops early at a local minimum of a sparse routing
+            # table (so does one for num_replicas + 2: tests/test_dht_swarm.py then misses
+            # subkeys), one as wide as a bucket costs twice the RPCs for the same nodes
+            width = min(self.bucket_size, 2 * self.num_replicas)
             lookup = await self._lookup(key_id, find_value=False, k=width)
             nearest = lookup.nearest[: self.num_replicas]
             targets = [peer_id for _, peer_id in nearest]

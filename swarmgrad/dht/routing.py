@@ -38,7 +38,6 @@ from swarmgrad.utils.timeutils import get_dht_time
 __all__ = ["DHTID", "KBucket", "RoutingTable"]
 
 _ID_BITS = 160
-ID_BITS = _ID_BITS  # bits in a node id
 _ID_BYTES = _ID_BITS // 8
 _ID_LIMIT = 1 << _ID_BITS
 

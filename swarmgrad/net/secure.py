@@ -34,7 +34,7 @@ from typing import Any
 
 from swarmgrad.net import records
 from swarmgrad.net.tls import FAST_RECORDS_ALPN, peer_id_from_certificate
-from swarmgrad.utils.errors import HandshakeError, ProtocolViolation, SwarmgradError
+from swarmgrad.utils.errors import HandshakeError, SwarmgradError
 
 logger = logging.getLogger(__name__)
 
@@ -317,11 +317,7 @@ class TLSLayer(asyncio.BufferedProtocol):
             self._fail_handshake(e)
             self._lower.abort()
             return
-        try:
-            key = records.direction_key(self._peer_share, from_dialer=self._server_side)
-        except ProtocolViolation as e:
-            self._abort_with(e)
-            return
+        key = records.direction_key(self._peer_share, from_dialer=self._server_side)
         self._opener = records.Opener(key)
         leftover = self._incoming.read()
         self._rx = bytearray(max(_INITIAL_RX_BUFFER, len(leftover)))
