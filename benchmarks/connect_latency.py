@@ -67,14 +67,14 @@ def _proxy(upstream_port: int, delay: float, ports: mp.Queue, stop) -> None:
                 writer.close()
                 return
             await asyncio.gather(
-                _pump(reader, up_writer, delay), _pump(up_reader, writer, delay),
+                _pump(reader, up_writer, delay),
+                _pump(up_reader, writer, delay),
                 return_exceptions=True,
             )
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         ports.put(server.sockets[0].getsockname()[1])
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         server.close()
 
     asyncio.run(main())
@@ -112,8 +112,7 @@ def _servers(addresses: mp.Queue, stop) -> None:
         maddr = peer.get_visible_maddrs()[0]
         peer_port = int(maddr.host_port.rpartition(":")[2])
         addresses.put((str(maddr), peer_port, tls_server.sockets[0].getsockname()[1]))
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         tls_server.close()
         await peer.shutdown()
 
@@ -227,10 +226,14 @@ def main() -> int:
 
     print(f"one-way delay {args.delay_ms:g} ms, {args.trials} fresh connections each")
     print(f"{'transport':44s} {'first call':>11s} {'warm call':>10s} {'flights':>8s}")
-    print(f"{'swarmgrad (TLS 1.3 + identity + RPC)':44s} {ms(ours_first):9.1f} ms "
-          f"{ms(ours_warm):8.1f} ms {flights(ours_first):8.2f}")
-    print(f"{'stdlib asyncio TLS 1.3 + echo (floor)':44s} {ms(tls_first):9.1f} ms "
-          f"{ms(tls_warm):8.1f} ms {flights(tls_first):8.2f}")
+    print(
+        f"{'swarmgrad (TLS 1.3 + identity + RPC)':44s} {ms(ours_first):9.1f} ms "
+        f"{ms(ours_warm):8.1f} ms {flights(ours_first):8.2f}"
+    )
+    print(
+        f"{'stdlib asyncio TLS 1.3 + echo (floor)':44s} {ms(tls_first):9.1f} ms "
+        f"{ms(tls_warm):8.1f} ms {flights(tls_first):8.2f}"
+    )
     result = {
         "delay_ms": args.delay_ms,
         "trials": args.trials,

@@ -198,7 +198,8 @@ def encode_find_result(answers: list[FindAnswer]) -> dict:
             encoded_record = {"dict": [list(entry) for entry in record.dictionary]}
         else:
             encoded_record = {"value": record.value, "exp": record.expiration_time}
-        nearest = [(pid.to_bytes(), addrs) for pid, addrs in answer.nearest]  # tuples pack as arrays
+        # tuples pack as msgpack arrays: no list copies
+        nearest = [(pid.to_bytes(), addrs) for pid, addrs in answer.nearest]
         out.append({"record": encoded_record, "nearest": nearest})
     return {"answers": out}
 
