@@ -3,6 +3,7 @@
 from swarmgrad.net import Identity, Multiaddr, P2PContext, Peer, PeerID, RPCContext
 from swarmgrad.utils.errors import (
     ConnectionClosed,
+    ConnectionIdleClosed,
     DeadlineExceeded,
     HandshakeError,
     ProtocolViolation,
@@ -69,6 +70,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ConnectionClosed",
+    "ConnectionIdleClosed",
     "DeadlineExceeded",
     "HandshakeError",
     "Identity",

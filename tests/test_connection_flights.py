@@ -1,4 +1,5 @@
-"""How many one-way trips a fresh connection needs before its first call is answered.
+"""Connection life cycle seen from outside: how many one-way trips a fresh connection
+needs before its first call is answered, and how idle connections end.
 
 On a slow link each flight costs a one-way delay, so the count is the latency of every
 first contact (a DHT lookup meeting a new node, an averaging partner, an expert). A proxy
@@ -13,6 +14,7 @@ import asyncio
 from peer_helpers import shutdown, two_peers
 
 from swarmgrad.net.multiaddr import Multiaddr
+from swarmgrad.net.mux import IDLE_REASON
 
 
 async def _recording_proxy(upstream_port: int, log: list[str]):
@@ -65,3 +67,50 @@ def test_a_fresh_connection_answers_its_first_call_after_six_flights(arun):
 
     flights = arun(main)
     assert flights == ["to listener", "to dialer"] * 3
+
+
+def test_idle_connections_are_closed_and_calls_redial(arun):
+    async def main():
+        server, client, address = await two_peers(idle_timeout=0.3, keepalive_interval=None)
+        assert await client.call(address, "echo", b"a", timeout=5) == b"a"
+        assert client.is_connected(server.peer_id)
+        for _ in range(100):  # closed by the server within idle_timeout + a check period
+            await asyncio.sleep(0.02)
+            if not client.is_connected(server.peer_id):
+                break
+        closed = not client.is_connected(server.peer_id)
+        again = await client.call(address, "echo", b"b", timeout=5)
+        await shutdown(client, server)
+        return closed, again
+
+    closed, again = arun(main)
+    assert closed and again == b"b"
+
+
+def test_a_call_racing_an_idle_close_is_sent_again_on_a_new_connection(arun):
+    """The server closes the connection as idle while the client's request is on its way
+    (the server has not read it): the call must succeed over a new connection, and the
+    handler must run exactly once."""
+
+    async def main():
+        server, client, address = await two_peers(keepalive_interval=None, idle_timeout=None)
+        served = []
+
+        async def count(request, context):
+            served.append(request)
+            return request
+
+        server.add_handler("count", count)
+        assert await client.call(address, "echo", b"warm", timeout=5) == b"warm"
+        (conn,) = [c for c in server._all_connections if c.is_alive]
+        conn.transport.pause_reading()  # the request will wait in the socket
+        call = asyncio.ensure_future(client.call(server.peer_id, "count", b"x", timeout=5))
+        await asyncio.sleep(0.1)
+        assert conn.num_streams == 0  # nothing read: to the server the connection is idle
+        conn.close(IDLE_REASON)
+        result = await call
+        await shutdown(client, server)
+        return result, served
+
+    result, served = arun(main)
+    assert result == b"x" and served == [b"x"]

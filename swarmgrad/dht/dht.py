@@ -30,6 +30,7 @@ _PEER_OPTIONS = {
     "handshake_timeout",
     "dial_timeout",
     "keepalive_interval",
+    "idle_timeout",
     "allow_relay",
 }
 

@@ -31,6 +31,7 @@ from swarmgrad.net.handshake import Hello, make_hello, negotiate_version, sign_a
 from swarmgrad.net.identity import Identity, PeerID
 from swarmgrad.utils.errors import (
     ConnectionClosed,
+    ConnectionIdleClosed,
     HandshakeError,
     IncompatibleVersion,
     PeerIDMismatch,
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_WINDOW = 4 * 1024 * 1024
 DEFAULT_MAX_FRAME = 1024 * 1024
 SCRATCH_SIZE = 256 * 1024  # largest receive scratch buffer of a busy connection
+IDLE_REASON = "idle"  # GOAWAY reason of a connection closed for lack of use
 _INITIAL_SCRATCH = 16 * 1024  # a DHT peer holds hundreds of mostly idle connections
 # Payload bytes at most copied out of the scratch buffer; larger remainders get their own.
 _SMALL_PAYLOAD = 16 * 1024
@@ -380,6 +382,7 @@ class Connection(asyncio.BufferedProtocol):
         self._loop = asyncio.get_running_loop()
         self.handshake_done: asyncio.Future[PeerID] = self._loop.create_future()
         self.closed: asyncio.Future[BaseException | None] = self._loop.create_future()
+        self.last_active = self._loop.time()  # a stream opened or ended (idle closing)
         self.transport: Any = None
         # The layer that will carry us once it is secured (e.g. TLS still handshaking):
         # closing or aborting before connection_made must reach it.
@@ -500,6 +503,7 @@ class Connection(asyncio.BufferedProtocol):
             raise ConnectionClosed(f"connection to {self._peer_name()} ran out of stream ids")
         stream = Stream(self, stream_id, header, initial_credit=self._remote_window)
         self._streams[stream_id] = stream
+        self.last_active = self._loop.time()
         self._send_control(FrameType.OPEN, stream_id, header)
         return stream
 
@@ -697,7 +701,8 @@ class Connection(asyncio.BufferedProtocol):
                 waiter.set_result(None)
         elif kind == FrameType.GOAWAY:
             reason = payload.decode("utf-8", "replace")
-            self._teardown(ConnectionClosed(f"{self._peer_name()} closed the connection: {reason}"))
+            error_cls = ConnectionIdleClosed if reason == IDLE_REASON else ConnectionClosed
+            self._teardown(error_cls(f"{self._peer_name()} closed the connection: {reason}"))
             self.transport.close()
 
     def _on_hello(self, payload: bytes) -> None:
@@ -752,6 +757,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         stream = Stream(self, stream_id, header, initial_credit=self._remote_window)
         self._streams[stream_id] = stream
+        self.last_active = self._loop.time()
         self._inbound_count += 1
         self._on_stream(stream)
 
@@ -763,6 +769,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _forget(self, stream: Stream) -> None:
         if self._streams.pop(stream.stream_id, None) is not None:
+            self.last_active = self._loop.time()
             if stream.stream_id % 2 == (0 if self.is_dialer else 1):
                 self._inbound_count -= 1
 

@@ -20,9 +20,10 @@ from typing import Any
 from swarmgrad.net import relay, rpc
 from swarmgrad.net.identity import Identity, PeerID
 from swarmgrad.net.multiaddr import Multiaddr
-from swarmgrad.net.mux import Connection, Stream
+from swarmgrad.net.mux import IDLE_REASON, Connection, Stream
 from swarmgrad.utils.errors import (
     ConnectionClosed,
+    ConnectionIdleClosed,
     DeadlineExceeded,
     HandshakeError,
     PeerUnreachable,
@@ -54,6 +55,7 @@ class Peer:
         max_connections: int = 4096,
         keepalive_interval: float | None = 30.0,
         keepalive_timeout: float = 20.0,
+        idle_timeout: float | None = 300.0,
     ):
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
@@ -65,6 +67,9 @@ class Peer:
         self.max_connections = max_connections
         self.keepalive_interval = keepalive_interval
         self.keepalive_timeout = keepalive_timeout
+        if idle_timeout is not None and not idle_timeout > 0:
+            raise ValidationError(f"idle_timeout must be positive or None, got {idle_timeout}")
+        self.idle_timeout = idle_timeout
         self._backend = backend
         self._announce = [Multiaddr.parse(m) for m in announce_maddrs]
         self._listen_maddrs: list[Multiaddr] = []
@@ -82,7 +87,7 @@ class Peer:
         self._closed = False
         self._loop = asyncio.get_running_loop()
         self._keepalive: asyncio.Task | None = None
-        if keepalive_interval is not None:
+        if keepalive_interval is not None or idle_timeout is not None:
             self._keepalive = asyncio.ensure_future(self._keep_connections_alive())
         self.relay_client: relay.RelayClient | None = None  # reservations (client mode)
         self.relay_service: relay.RelayService | None = None  # relaying for others
@@ -415,7 +420,14 @@ class Peer:
             if conn is None or not conn.is_alive:
                 conn = await self._get_connection(peer)
             stream = conn.open_stream(rpc.call_header(name, timeout))
-            return await rpc.unary_call(stream, request, name, self.max_message_size)
+            try:
+                return await rpc.unary_call(stream, request, name, self.max_message_size)
+            except ConnectionIdleClosed:
+                # the remote closed the connection as idle while our request was on its
+                # way: it never saw the request, so send it once more on a new connection
+                conn = await self._get_connection(peer)
+                stream = conn.open_stream(rpc.call_header(name, timeout))
+                return await rpc.unary_call(stream, request, name, self.max_message_size)
 
         if timeout is None:
             return await run()
@@ -460,12 +472,31 @@ class Peer:
     # ------------------------------------------------------------------ shutdown
 
     async def _keep_connections_alive(self) -> None:
-        """Ping every connection each ``keepalive_interval`` seconds and drop those that do
-        not answer within ``keepalive_timeout``: a peer that vanished without closing its
-        socket (power loss, NAT timeout) must not keep a dead connection in the pool."""
+        """Close connections no stream used for ``idle_timeout`` seconds, then ping the
+        others (each ``keepalive_interval`` seconds) and drop those that do not answer
+        within ``keepalive_timeout``: a peer that vanished without closing its socket
+        (power loss, NAT timeout) must not keep a dead connection in the pool, and lookups
+        that met a node once must not keep a connection to it forever (memory, and the
+        ``max_connections`` cap that would then refuse newcomers)."""
+        idle_check = self.idle_timeout / 4 if self.idle_timeout is not None else None
+        tick = min(p for p in (self.keepalive_interval, idle_check) if p is not None)
+        last_probe = self._loop.time()
         while True:
-            await asyncio.sleep(self.keepalive_interval)
-            alive = [conn for conn in self._all_connections if conn.is_alive]
+            await asyncio.sleep(tick)
+            now = self._loop.time()
+            alive = []
+            for conn in [c for c in self._all_connections if c.is_alive]:
+                if (
+                    self.idle_timeout is not None
+                    and conn.num_streams == 0
+                    and now - conn.last_active >= self.idle_timeout
+                ):
+                    conn.close(IDLE_REASON)
+                else:
+                    alive.append(conn)
+            if self.keepalive_interval is None or now - last_probe < self.keepalive_interval:
+                continue
+            last_probe = now
             results = await asyncio.gather(
                 *(self._probe(conn) for conn in alive), return_exceptions=True
             )

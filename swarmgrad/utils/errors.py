@@ -47,6 +47,12 @@ class ConnectionClosed(SwarmgradError, ConnectionError):
     """The connection carrying a stream or call was closed before it finished."""
 
 
+class ConnectionIdleClosed(ConnectionClosed):
+    """The remote closed the connection because no stream had used it for a while. It had
+    no stream open when it decided, so a stream that fails this way never reached its
+    handlers: a call can safely be sent again over a new connection."""
+
+
 class StreamReset(ConnectionClosed):
     """The remote side (or the local side) reset the stream mid-transfer."""
 
