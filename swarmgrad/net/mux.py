@@ -46,7 +46,7 @@ DEFAULT_WINDOW = 4 * 1024 * 1024
 DEFAULT_MAX_FRAME = 1024 * 1024
 SCRATCH_SIZE = 256 * 1024  # largest receive scratch buffer of a busy connection
 IDLE_REASON = "idle"  # GOAWAY reason of a connection closed for lack of use
-_INITIAL_SCRATCH = 16 * 1024  # a DHT peer holds hundreds of mostly idle connections
+_INITIAL_SCRATCH = 4 * 1024  # a DHT peer holds hundreds of mostly idle connections
 # Payload bytes at most copied out of the scratch buffer; larger remainders get their own.
 _SMALL_PAYLOAD = 16 * 1024
 # Bytes of replies the remote provokes (PONG, refusing RESET) we queue while it does not

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 # Receive buffers start small (a DHT peer keeps many mostly idle connections; 64 KiB
 # each was 4 MB of a 64-peer swarm member's 34 MB) and grow while a connection is busy,
 # up to what the largest record needs.
-_INITIAL_RX_BUFFER = 64 * 1024
+_INITIAL_RX_BUFFER = 16 * 1024
 _MAX_TLS_RX_BUFFER = 1024 * 1024
 _MAX_RX_BUFFER = records.MAX_RECORD + records.LENGTH.size  # FAST mode: one largest record
 _HIGH_WATER = 4 * 1024 * 1024  # outgoing ciphertext buffered in the lower transport
