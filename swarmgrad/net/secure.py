@@ -17,7 +17,7 @@ Two record modes, chosen by ALPN during the TLS handshake:
   record layer. Sending without waiting for the other's share lets the dialer's HELLO
   travel with its TLS Finished: a new connection is ready two flights sooner.
 * ``swarmgrad/1``: plain TLS 1.3 records end to end (``SWARMGRAD_TLS_RECORDS=1``, or a
-  peer that does not offer ``swarmgrad/2``).
+  peer that does not offer ``swarmgrad/3``).
 
 Small writes are corked in both modes: an RPC's OPEN, DATA and FIN frames become one record
 and one syscall.
