@@ -34,12 +34,17 @@ async def stop(node, attacker):
     await node.peer.shutdown()
 
 
+async def remote_store(attacker: Peer, addr, items, timeout: float = 5) -> list[str | None]:
+    """Send a raw STORE; the node's per-record answers (None: stored, else why not)."""
+    reply = await attacker.call(addr, protocol.STORE, protocol.encode_store(items), timeout=timeout)
+    return protocol.decode_store_result(reply, len(items))
+
+
 async def well_behaved_round_trip(attacker: Peer, addr, tag: str) -> None:
     """A correct store then find of a fresh key still works."""
     key = serialize(f"good-{tag}")
     item = StoreItem(key, None, serialize("value"), get_dht_time() + 60)
-    reply = await attacker.call(addr, protocol.STORE, protocol.encode_store([item]), timeout=5)
-    assert protocol.decode_store_result(reply, 1) == [None]
+    assert await remote_store(attacker, addr, [item]) == [None]
     reply = await attacker.call(
         addr, protocol.FIND, protocol.encode_find([DHTID.generate(key)]), timeout=5
     )
@@ -135,8 +140,7 @@ def test_odd_expirations_are_refused_per_record_with_a_reason(arun):
             StoreItem(serialize(f"odd-{i}"), None, serialize(i), e)
             for i, e in enumerate(expirations)
         ]
-        reply = await attacker.call(addr, protocol.STORE, protocol.encode_store(items), timeout=5)
-        reasons = protocol.decode_store_result(reply, len(items))
+        reasons = await remote_store(attacker, addr, items)
         assert all(reason for reason in reasons), reasons
         assert "NaN" in reasons[0] and "max_expiration_ahead" in reasons[1]
         assert len(node.storage) == 0
@@ -151,8 +155,7 @@ def test_remote_store_of_an_oversized_key_is_refused_naming_the_limit(arun):
         node, attacker, addr = await node_and_attacker()
         huge_key = serialize("k" * 200_000)  # 50x max_key_bytes, kept by the node if stored
         item = StoreItem(huge_key, None, serialize("v"), get_dht_time() + 60)
-        reply = await attacker.call(addr, protocol.STORE, protocol.encode_store([item]), timeout=5)
-        (reason,) = protocol.decode_store_result(reply, 1)
+        (reason,) = await remote_store(attacker, addr, [item])
         assert reason is not None and "max_key_bytes" in reason
         assert len(node.storage) == 0 and not node._serialized_keys
         await well_behaved_round_trip(attacker, addr, "after-key")

@@ -416,18 +416,19 @@ class Peer:
         handler's own errors."""
 
         async def run() -> Any:
-            conn = self._connections.get(peer) if isinstance(peer, PeerID) else None
-            if conn is None or not conn.is_alive:
-                conn = await self._get_connection(peer)
-            stream = conn.open_stream(rpc.call_header(name, timeout))
-            try:
-                return await rpc.unary_call(stream, request, name, self.max_message_size)
-            except ConnectionIdleClosed:
-                # the remote closed the connection as idle while our request was on its
-                # way: it never saw the request, so send it once more on a new connection
-                conn = await self._get_connection(peer)
+            for attempt in range(2):
+                conn = self._connections.get(peer) if isinstance(peer, PeerID) else None
+                if conn is None or not conn.is_alive:
+                    conn = await self._get_connection(peer)
                 stream = conn.open_stream(rpc.call_header(name, timeout))
-                return await rpc.unary_call(stream, request, name, self.max_message_size)
+                try:
+                    return await rpc.unary_call(stream, request, name, self.max_message_size)
+                except ConnectionIdleClosed:
+                    # the remote closed the connection as idle while our request was on
+                    # its way: it never saw the request, so send it once more on a new one
+                    if attempt:
+                        raise
+            raise AssertionError("unreachable")
 
         if timeout is None:
             return await run()
