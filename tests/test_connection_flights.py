@@ -47,10 +47,11 @@ def _flights(log: list[str]) -> list[str]:
     return runs
 
 
-def test_a_fresh_connection_answers_its_first_call_after_six_flights(arun):
-    """ClientHello; the listener's TLS flight; the dialer's Finished with its key share
-    and HELLO; the listener's share, HELLO and AUTH; the dialer's AUTH with the request;
-    the answer. (Eight before each side keyed its records from its own share.)"""
+def test_a_fresh_connection_answers_its_first_call_after_four_flights(arun):
+    """ClientHello; the listener's TLS flight; the dialer's Finished with its key share,
+    HELLO, TLS-bound AUTH and the request; the listener's share and HELLO with the answer.
+    (Six with the nonce-exchange handshake, eight before each side keyed its records from
+    its own share.)"""
 
     async def main():
         server, client, address = await two_peers()
@@ -66,7 +67,7 @@ def test_a_fresh_connection_answers_its_first_call_after_six_flights(arun):
         return flights
 
     flights = arun(main)
-    assert flights == ["to listener", "to dialer"] * 3
+    assert flights == ["to listener", "to dialer"] * 2
 
 
 def test_idle_connections_are_closed_and_calls_redial(arun):

@@ -14,6 +14,7 @@ from swarmgrad.net.mux import Connection
 from swarmgrad.utils.errors import (
     ConnectionClosed,
     FrameTooLarge,
+    HandshakeError,
     PeerIDMismatch,
     ProtocolViolation,
     StreamReset,
@@ -23,8 +24,10 @@ from swarmgrad.utils.errors import (
 class MemoryTransport:
     """Half of an in-memory pipe that delivers writes on the next loop iteration."""
 
-    def __init__(self, loop):
+    def __init__(self, loop, **extra):
         self.loop = loop
+        self.extra = {"peername": "memory", **extra}
+        self.early: list[bytes] = []
         self.peer: MemoryTransport | None = None
         self.protocol = None
         self.closed = False
@@ -41,7 +44,19 @@ class MemoryTransport:
         for b in buffers:
             self.write(b)
 
+    def attach(self, protocol):
+        """Connect the protocol, then hand it what arrived before (a listener whose TLS
+        handshake finishes after the dialer's first bytes are on their way)."""
+        self.protocol = protocol
+        protocol.connection_made(self)
+        early, self.early = self.early, []
+        for data in early:
+            self._deliver(data)
+
     def _deliver(self, data):
+        if self.protocol is None:
+            self.early.append(data)
+            return
         view = memoryview(data)
         while len(view) and self.protocol is not None and not self.closed:
             buf = self.protocol.get_buffer(len(view))
@@ -68,7 +83,7 @@ class MemoryTransport:
         return self.closed
 
     def get_extra_info(self, name, default=None):
-        return {"peername": "memory"}.get(name, default)
+        return self.extra.get(name, default)
 
 
 async def connected_pair(**kwargs):
@@ -400,6 +415,164 @@ def test_forged_auth_signature_is_refused(arun):
         b.connection_made(tb)
         with pytest.raises(HandshakeError, match="failed to prove possession"):
             await a.handshake_done
+        await settle()
+
+    arun(main)
+
+
+# ---------------------------------------------------------------- handshake bound to TLS
+
+
+def _bound_pair(loop, dialer_id, listener_id, *, binding=b"B" * 48, listener_binding=None, **kw):
+    """A dialer and a listener whose carrier says TLS proved listener_id (as TLSLayer does)."""
+    a = Connection(dialer_id, is_dialer=True, expected_peer_id=listener_id.peer_id, **kw)
+    accepted: list = []
+    b = Connection(listener_id, is_dialer=False, on_stream=accepted.append)
+    ta = MemoryTransport(loop, channel_binding=binding, tls_peer_id=listener_id.peer_id)
+    tb = MemoryTransport(loop, channel_binding=listener_binding or binding)
+    ta.peer, tb.peer, ta.protocol = tb, ta, a  # the listener attaches later: tb.attach(b)
+    return a, b, ta, tb, accepted
+
+
+def test_bound_dialer_sends_its_first_request_before_reading_anything(arun):
+    """TLS proved the listener: the dialer is ready at once, its HELLO, AUTH and the first
+    request leave together, and the listener serves the request."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        dialer, listener = Identity.generate(), Identity.generate()
+        a, b, ta, tb, accepted = _bound_pair(loop, dialer, listener)
+        a.connection_made(ta)
+        assert a.handshake_done.done() and a.handshake_done.result() == listener.peer_id
+        stream = a.open_stream(b"echo")
+        await stream.write(b"ping", fin=True)
+        assert tb.written == 0  # nothing from the listener yet
+        tb.attach(b)
+        assert await b.handshake_done == dialer.peer_id
+        await settle()
+        assert [s.header for s in accepted] == [b"echo"]
+        assert await accepted[0].read() == b"ping"
+        assert a.version == b.version == 1
+        a.close()
+        await settle()
+
+    arun(main)
+
+
+def test_bound_auth_from_another_tls_session_is_refused(arun):
+    """A dialer's proof names the session's channel binding: replayed or relayed into a
+    session with another binding, it proves nothing."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a, b, ta, tb, accepted = _bound_pair(
+            loop, Identity.generate(), Identity.generate(), listener_binding=b"C" * 48
+        )
+        a.connection_made(ta)
+        tb.attach(b)
+        stream = a.open_stream(b"echo")
+        await stream.write(b"never served", fin=True)
+        with pytest.raises(HandshakeError, match="for this TLS session"):
+            await b.handshake_done
+        await settle()
+        assert accepted == [] and not a.is_alive
+
+    arun(main)
+
+
+def test_bound_dialer_refuses_a_certificate_of_another_peer_at_once(arun):
+    async def main():
+        loop = asyncio.get_running_loop()
+        dialer, listener, impostor = (Identity.generate() for _ in range(3))
+        a = Connection(dialer, is_dialer=True, expected_peer_id=listener.peer_id)
+        ta = MemoryTransport(loop, channel_binding=b"B" * 48, tls_peer_id=impostor.peer_id)
+        ta.peer = MemoryTransport(loop)
+        ta.protocol = a
+        a.connection_made(ta)
+        with pytest.raises(PeerIDMismatch, match=f"dialed {listener.peer_id}"):
+            await a.handshake_done
+        await settle()
+
+    arun(main)
+
+
+def test_bound_first_write_beyond_the_early_window_finishes_once_hello_arrives(arun):
+    from swarmgrad.net.mux import EARLY_WINDOW
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a, b, ta, tb, accepted = _bound_pair(loop, Identity.generate(), Identity.generate())
+        a.connection_made(ta)
+        stream = a.open_stream(b"bulk")
+        payload = bytes(range(256)) * (3 * EARLY_WINDOW // 256)
+        writer = asyncio.ensure_future(stream.write(payload, fin=True))
+        await settle()
+        assert not writer.done() and ta.written < EARLY_WINDOW + 4096  # waits for credit
+        tb.attach(b)
+        await asyncio.wait_for(writer, 5)
+        await settle()
+        assert await accepted[0].readexactly(len(payload)) == payload
+        a.close()
+        await settle()
+
+    arun(main)
+
+
+def test_bound_listener_offering_less_than_the_early_window_is_refused(arun):
+    async def main():
+        loop = asyncio.get_running_loop()
+        dialer, listener = Identity.generate(), Identity.generate()
+        a = Connection(dialer, is_dialer=True, expected_peer_id=listener.peer_id)
+        b = Connection(listener, is_dialer=False, initial_window=4096)
+        ta = MemoryTransport(loop, channel_binding=b"B" * 48, tls_peer_id=listener.peer_id)
+        tb = MemoryTransport(loop, channel_binding=b"B" * 48)
+        ta.peer, tb.peer, ta.protocol = tb, ta, a
+        a.connection_made(ta)
+        stream = a.open_stream(b"x")
+        tb.attach(b)
+        with pytest.raises(ProtocolViolation, match="needs at least"):
+            await stream.read()
+        await settle()
+
+    arun(main)
+
+
+def test_bound_version_mismatch_fails_the_first_request_clearly(arun):
+    import dataclasses
+
+    from swarmgrad.utils.errors import IncompatibleVersion
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a, b, ta, tb, _ = _bound_pair(loop, Identity.generate(), Identity.generate())
+        b._our_hello = dataclasses.replace(b._our_hello, version=7, min_version=5)
+        a.connection_made(ta)
+        stream = a.open_stream(b"x")
+        await stream.write(b"request", fin=True)
+        tb.attach(b)
+        with pytest.raises(IncompatibleVersion, match=r"5\.\.7"):
+            await stream.read()
+        with pytest.raises(IncompatibleVersion):
+            await b.handshake_done
+        await settle()
+
+    arun(main)
+
+
+def test_bound_listener_sending_auth_is_a_protocol_violation(arun):
+    """Only the dialer proves itself in a bound handshake; an AUTH from the listener is
+    out of order (the listener's proof is its TLS CertificateVerify)."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a, b, ta, tb, _ = _bound_pair(loop, Identity.generate(), Identity.generate())
+        a.connection_made(ta)
+        tb.attach(b)
+        await b.handshake_done
+        stream = a.open_stream(b"x")
+        tb.write(framing.encode_header(FrameType.AUTH, 0, 64) + b"s" * 64)
+        with pytest.raises(ProtocolViolation, match="AUTH out of order"):
+            await stream.read()
         await settle()
 
     arun(main)

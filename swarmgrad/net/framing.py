@@ -21,7 +21,7 @@ MAX_STREAM_ID = 2**32 - 1
 
 class FrameType(enum.IntEnum):
     HELLO = 0  # handshake: versions, features, identity, nonce (stream 0)
-    AUTH = 1  # handshake: signature over the peer's nonce (stream 0)
+    AUTH = 1  # handshake: signature over the nonces or the TLS channel binding (stream 0)
     OPEN = 2  # open a stream; payload is the opener's header (e.g. RPC handler name)
     DATA = 3  # stream bytes; FLAG_FIN marks the sender's last frame
     WINDOW = 4  # grant the other side more credit on a stream (u32 payload)

@@ -1,15 +1,25 @@
 """The swarmgrad handshake: protocol versions, features, and proof of identity.
 
-Runs as the first two frames on every connection, whatever carries it (TLS over TCP, TLS
-over a relayed stream, or the simulated network). Each side sends HELLO with its PeerID, the
-protocol versions it speaks and a fresh 32-byte nonce; after reading the other's HELLO each
-side sends AUTH: an ed25519 signature over a domain tag, both PeerIDs and both nonces.
+Runs as the first frames on every connection, whatever carries it (TLS over TCP, TLS over
+a relayed stream, or the simulated network). Each side sends HELLO with its PeerID, the
+protocol versions it speaks and a fresh 32-byte nonce. Two ways to prove identities:
 
-Why this is enough: the signature covers the nonce the *verifier* just drew, so it cannot
-be replayed, and it names both ends, so a peer that receives our signature cannot present it
-to a third party as its own. Over TLS the dialer additionally checks that the certificate
-the server proved possession of belongs to the PeerID in HELLO, which binds the identity to
-the encrypted session. This module is pure: it builds and checks messages, no I/O.
+* **Nonce exchange** (the simulated network, or a carrier without TLS): after reading the
+  other's HELLO each side sends AUTH, an ed25519 signature over a domain tag, both PeerIDs
+  and both nonces. The signature covers the nonce the *verifier* just drew, so it cannot
+  be replayed, and it names both ends, so a peer that receives our signature cannot
+  present it to a third party as its own. A first request can leave only with the second
+  AUTH: three flights after the carrier is up.
+* **Bound to TLS** (every TLS carrier of ours, chosen by ALPN): the listener's identity is
+  already proven by TLS (its certificate's key signed the handshake transcript, and the
+  dialer pins the PeerID of that key), so only the dialer signs, right away, over a domain
+  tag, both PeerIDs, the TLS channel binding and its nonce. The channel binding (the
+  dialer's TLS Finished, a MAC over the whole transcript including both sides' fresh
+  randoms and key shares) is unique to this TLS session, so the signature can be neither
+  replayed nor relayed into another session. The dialer's HELLO, AUTH and first request
+  leave together with its TLS Finished: the answer comes back in the next flight.
+
+This module is pure: it builds and checks messages, no I/O.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ PROTOCOL_VERSION = 1
 MIN_PROTOCOL_VERSION = 1
 FEATURES: tuple[str, ...] = ("mux/credit", "rpc/1", "relay/1")
 _AUTH_TAG = b"swarmgrad-auth-v1"
+_BOUND_AUTH_TAG = b"swarmgrad-tls-bound-auth-v1"
 NONCE_SIZE = 32
 
 
@@ -135,4 +146,37 @@ def verify_auth(signature: bytes, ours: Hello, theirs: Hello) -> None:
     if not theirs.peer_id.verify(bytes(signature), _auth_message(theirs, ours)):
         raise HandshakeError(
             f"peer claiming to be {theirs.peer_id} failed to prove possession of its key"
+        )
+
+
+def _bound_auth_message(signer: Hello, verifier: PeerID, channel_binding: bytes) -> bytes:
+    # msgpack: every field length-prefixed, so no two field lists encode alike
+    return msgpack.packb(
+        [
+            _BOUND_AUTH_TAG,
+            signer.peer_id.to_bytes(),
+            verifier.to_bytes(),
+            channel_binding,
+            signer.nonce,
+        ]
+    )
+
+
+def sign_bound_auth(
+    identity: Identity, ours: Hello, listener: PeerID, channel_binding: bytes
+) -> bytes:
+    """The dialer's proof of identity on a TLS carrier: needs nothing from the listener's
+    HELLO, so it leaves with the dialer's HELLO."""
+    return identity.sign(_bound_auth_message(ours, listener, channel_binding))
+
+
+def verify_bound_auth(
+    signature: bytes, dialer: Hello, ours: PeerID, channel_binding: bytes
+) -> None:
+    """Check the dialer's TLS-bound AUTH; raise HandshakeError if it does not prove its key."""
+    message = _bound_auth_message(dialer, ours, channel_binding)
+    if not dialer.peer_id.verify(bytes(signature), message):
+        raise HandshakeError(
+            f"peer claiming to be {dialer.peer_id} failed to prove possession of its key "
+            "for this TLS session"
         )

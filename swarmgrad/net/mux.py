@@ -27,7 +27,15 @@ from typing import Any
 
 from swarmgrad.net import framing
 from swarmgrad.net.framing import FLAG_FIN, FrameType, ResetCode
-from swarmgrad.net.handshake import Hello, make_hello, negotiate_version, sign_auth, verify_auth
+from swarmgrad.net.handshake import (
+    Hello,
+    make_hello,
+    negotiate_version,
+    sign_auth,
+    sign_bound_auth,
+    verify_auth,
+    verify_bound_auth,
+)
 from swarmgrad.net.identity import Identity, PeerID
 from swarmgrad.utils.errors import (
     ConnectionClosed,
@@ -47,6 +55,10 @@ DEFAULT_MAX_FRAME = 1024 * 1024
 SCRATCH_SIZE = 256 * 1024  # largest receive scratch buffer of a busy connection
 IDLE_REASON = "idle"  # GOAWAY reason of a connection closed for lack of use
 _INITIAL_SCRATCH = 4 * 1024  # a DHT peer holds hundreds of mostly idle connections
+# With a TLS-bound handshake the dialer sends before it reads the listener's HELLO: until
+# then it assumes this window and frame size, which such a listener must offer at least.
+EARLY_WINDOW = 256 * 1024
+EARLY_MAX_FRAME = 64 * 1024
 # Payload bytes at most copied out of the scratch buffer; larger remainders get their own.
 _SMALL_PAYLOAD = 16 * 1024
 # Bytes of replies the remote provokes (PONG, refusing RESET) we queue while it does not
@@ -393,6 +405,7 @@ class Connection(asyncio.BufferedProtocol):
         self._our_hello = make_hello(identity, initial_window=initial_window, max_frame=max_frame)
         self._their_hello: Hello | None = None
         self._authenticated = False
+        self._channel_binding: bytes | None = None  # set: the handshake is bound to TLS
         self._remote_max_frame = DEFAULT_MAX_FRAME
         self._remote_window = DEFAULT_WINDOW
         self._streams: dict[int, Stream] = {}
@@ -419,7 +432,13 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         self.remote_address = transport.get_extra_info("peername")
+        self._channel_binding = transport.get_extra_info("channel_binding")
         self._send_control(FrameType.HELLO, 0, self._our_hello.encode())
+        if self._channel_binding is not None and self.is_dialer:
+            try:
+                self._open_bound_dialer()
+            except SwarmgradError as e:
+                self._fail(e)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._dead:
@@ -705,6 +724,33 @@ class Connection(asyncio.BufferedProtocol):
             self._teardown(error_cls(f"{self._peer_name()} closed the connection: {reason}"))
             self.transport.close()
 
+    def _open_bound_dialer(self) -> None:
+        """TLS proved who the listener is: send our proof now and open for streams at once,
+        so the first request leaves with our HELLO and the TLS Finished."""
+        listener = self.transport.get_extra_info("tls_peer_id")
+        if listener is None:
+            raise HandshakeError(f"the TLS channel to {self.remote_address} named no identity")
+        self._check_remote_identity(listener)
+        proof = sign_bound_auth(self._identity, self._our_hello, listener, self._channel_binding)
+        self._send_control(FrameType.AUTH, 0, proof)
+        self._remote_max_frame, self._remote_window = EARLY_MAX_FRAME, EARLY_WINDOW
+        self._authenticate(listener)
+
+    def _check_remote_identity(self, peer_id: PeerID) -> None:
+        expected = self._expected_peer_id
+        if expected is not None and peer_id != expected:
+            raise PeerIDMismatch(
+                f"dialed {expected} at {self.remote_address} but {peer_id} answered"
+            )
+        tls_peer = self.transport.get_extra_info("tls_peer_id")
+        if tls_peer is not None and tls_peer != peer_id:
+            raise PeerIDMismatch(
+                f"TLS certificate of {self.remote_address} belongs to {tls_peer}, "
+                f"but the handshake claims {peer_id}"
+            )
+        if peer_id == self._identity.peer_id:
+            raise HandshakeError(f"connected to ourselves ({peer_id}) at {self.remote_address}")
+
     def _on_hello(self, payload: bytes) -> None:
         if self._their_hello is not None:
             raise ProtocolViolation(f"{self._peer_name()} sent HELLO twice")
@@ -714,34 +760,41 @@ class Connection(asyncio.BufferedProtocol):
         except IncompatibleVersion as e:
             self._send_control(FrameType.GOAWAY, 0, f"incompatible protocol version: {e}".encode())
             raise
-        expected = self._expected_peer_id
-        if expected is not None and hello.peer_id != expected:
-            raise PeerIDMismatch(
-                f"dialed {expected} at {self.remote_address} but {hello.peer_id} answered"
-            )
-        tls_peer = self.transport.get_extra_info("tls_peer_id")
-        if tls_peer is not None and tls_peer != hello.peer_id:
-            raise PeerIDMismatch(
-                f"TLS certificate of {self.remote_address} belongs to {tls_peer}, "
-                f"but the handshake claims {hello.peer_id}"
-            )
-        if hello.peer_id == self._identity.peer_id:
-            raise HandshakeError(
-                f"connected to ourselves ({hello.peer_id}) at {self.remote_address}"
+        self._check_remote_identity(hello.peer_id)
+        bound = self._channel_binding is not None
+        if bound and (hello.initial_window < EARLY_WINDOW or hello.max_frame < EARLY_MAX_FRAME):
+            raise ProtocolViolation(
+                f"{self._peer_name()} offered window {hello.initial_window} and max_frame "
+                f"{hello.max_frame}; a TLS-bound handshake needs at least {EARLY_WINDOW} "
+                f"and {EARLY_MAX_FRAME}"
             )
         self._their_hello = hello
+        extra_credit = hello.initial_window - self._remote_window
         self._remote_max_frame = hello.max_frame
         self._remote_window = hello.initial_window
-        self._send_control(FrameType.AUTH, 0, sign_auth(self._identity, self._our_hello, hello))
+        if not bound:
+            self._send_control(FrameType.AUTH, 0, sign_auth(self._identity, self._our_hello, hello))
+        elif self.is_dialer:
+            # streams we opened on the assumed early window get the rest of the real one
+            for stream in self._streams.values():
+                stream._on_credit(extra_credit)
 
     def _on_auth(self, payload: bytes) -> None:
         if self._their_hello is None or self._authenticated:
             raise ProtocolViolation(f"{self._peer_name()} sent AUTH out of order")
-        verify_auth(payload, self._our_hello, self._their_hello)
+        if self._channel_binding is None:
+            verify_auth(payload, self._our_hello, self._their_hello)
+        else:
+            verify_bound_auth(
+                payload, self._their_hello, self._identity.peer_id, self._channel_binding
+            )
+        self._authenticate(self._their_hello.peer_id)
+
+    def _authenticate(self, peer_id: PeerID) -> None:
         self._authenticated = True
-        self.remote_peer_id = self._their_hello.peer_id
+        self.remote_peer_id = peer_id
         if not self.handshake_done.done():
-            self.handshake_done.set_result(self.remote_peer_id)
+            self.handshake_done.set_result(peer_id)
 
     def _on_open(self, stream_id: int, header: bytes) -> None:
         if stream_id % 2 == (1 if self.is_dialer else 0):

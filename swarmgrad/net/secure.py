@@ -8,7 +8,7 @@ the upper protocol (the multiplexed :class:`~swarmgrad.net.mux.Connection`).
 
 Two record modes, chosen by ALPN during the TLS handshake:
 
-* ``swarmgrad/3`` (both sides offer it first): as soon as its TLS handshake completes,
+* ``swarmgrad/4`` (both sides offer it first): as soon as its TLS handshake completes,
   each side sends a 32-byte key share as TLS application data and from then on sends
   AES-256-GCM records keyed from that share (:mod:`swarmgrad.net.records`); it reads the
   other side's records once it has read the other's share. A record per mux frame
@@ -16,8 +16,11 @@ Two record modes, chosen by ALPN during the TLS handshake:
   tensor's memory when a reader waits), about 3x less CPU per byte than the stdlib's
   record layer. Sending without waiting for the other's share lets the dialer's HELLO
   travel with its TLS Finished: a new connection is ready two flights sooner.
-* ``swarmgrad/1``: plain TLS 1.3 records end to end (``SWARMGRAD_TLS_RECORDS=1``, or a
-  peer that does not offer ``swarmgrad/3``).
+* ``swarmgrad/4-tls``: plain TLS 1.3 records end to end (``SWARMGRAD_TLS_RECORDS=1``, or a
+  peer that does not offer ``swarmgrad/4``).
+
+Under both ids the layer offers the upper protocol the session's ``"channel_binding"``, to
+which the connection handshake binds the dialer's proof of identity.
 
 Small writes are corked in both modes: an RPC's OPEN, DATA and FIN frames become one record
 and one syscall.
@@ -33,7 +36,7 @@ import ssl
 from typing import Any
 
 from swarmgrad.net import records
-from swarmgrad.net.tls import FAST_RECORDS_ALPN, peer_id_from_certificate
+from swarmgrad.net.tls import BOUND_HANDSHAKE_ALPNS, FAST_RECORDS_ALPN, peer_id_from_certificate
 from swarmgrad.utils.errors import HandshakeError, SwarmgradError
 
 logger = logging.getLogger(__name__)
@@ -283,7 +286,11 @@ class TLSLayer(asyncio.BufferedProtocol):
                 return
         self._extra["ssl_object"] = self._ssl
         self._extra["cipher"] = self._ssl.cipher()
-        if self._ssl.selected_alpn_protocol() == FAST_RECORDS_ALPN:
+        alpn = self._ssl.selected_alpn_protocol()
+        if alpn in BOUND_HANDSHAKE_ALPNS:
+            # the dialer's TLS Finished: unique to this session (see swarmgrad.net.handshake)
+            self._extra["channel_binding"] = self._ssl.get_channel_binding("tls-unique")
+        if alpn == FAST_RECORDS_ALPN:
             # Our last TLS bytes (the dialer's Finished, then our share) wait in the BIO and
             # leave with our first AES-GCM record (the mux's HELLO, written at once), one
             # send for all; the flush scheduled after it catches the case of no record.

@@ -36,6 +36,7 @@ from swarmgrad.utils.errors import HandshakeError
 
 __all__ = [
     "ALPN_PROTOCOL",
+    "BOUND_HANDSHAKE_ALPNS",
     "FAST_RECORDS_ALPN",
     "TLS_RECORDS_ENV",
     "client_ssl_context",
@@ -45,11 +46,16 @@ __all__ = [
     "server_ssl_context",
 ]
 
-FAST_RECORDS_ALPN = "swarmgrad/3"
+FAST_RECORDS_ALPN = "swarmgrad/4"
 """ALPN id of TLS 1.3 handshake + AES-GCM bulk records keyed per direction (see
-swarmgrad.net.records; swarmgrad/2 keyed both directions from both shares)."""
-ALPN_PROTOCOL = "swarmgrad/1"
-"""ALPN id of plain TLS 1.3 records; chosen when either side does not offer the fast one."""
+swarmgrad.net.records) + the connection handshake bound to the TLS session (see
+swarmgrad.net.handshake). Earlier: /3 the same with the nonce-exchange handshake, /2 records
+keyed from both shares."""
+ALPN_PROTOCOL = "swarmgrad/4-tls"
+"""ALPN id of plain TLS 1.3 records (+ the bound handshake); chosen when either side does
+not offer the fast one (was swarmgrad/1, with the nonce-exchange handshake)."""
+BOUND_HANDSHAKE_ALPNS = frozenset({FAST_RECORDS_ALPN, ALPN_PROTOCOL})
+"""Sessions negotiated under these ids run the connection handshake bound to TLS."""
 TLS_RECORDS_ENV = "SWARMGRAD_TLS_RECORDS"
 """Set to 1 to offer only plain TLS records (for audits and comparisons)."""
 
