@@ -136,3 +136,36 @@ def test_records_expire_on_the_virtual_clock():
         return result
 
     assert run_simulation(main, seed=4, latency=0.02) is None
+
+
+def test_joining_refreshes_every_farther_range_so_many_nodes_know_the_newcomer():
+    """Kademlia's join: after its own id, a random id per farther bucket. The newcomer's
+    farther buckets fill, and the nodes it met there add it to their tables (and hold a
+    connection to it): with the refresh several times more nodes know it than without."""
+
+    def join(refresh: bool):
+        async def main(network):
+            rng = random.Random(5)
+            nodes = await build_swarm(network, 120, rng)
+            peer = await create_sim_peer(network, rng=rng, keepalive_interval=None)
+            initial = [str(nodes[0].peer.get_visible_maddrs()[0])]
+            newcomer = await DHTNode.create(
+                peer, initial, refresh_on_join=refresh, time_fn=nodes[0].time_fn
+            )
+            known_by = sum(1 for n in nodes if newcomer.peer_id in n.routing)
+            own = newcomer.routing.get_bucket_index(newcomer.node_id)
+            empty_far = [
+                b for i, b in enumerate(newcomer.routing.buckets) if i != own and not len(b)
+            ]
+            connected = len(newcomer.peer.connected_peers)
+            await stop_all([*nodes, newcomer])
+            return known_by, len(empty_far), connected
+
+        return run_simulation(main, seed=5, latency=0.02)
+
+    known_with, empty_with, connected_with = join(True)
+    known_without, _, connected_without = join(False)
+    assert empty_with == 0
+    print(known_with, known_without, connected_with, connected_without)
+    assert known_with >= 1.5 * known_without and known_with >= 120 // 3
+    assert connected_with >= 1.5 * connected_without

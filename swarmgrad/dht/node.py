@@ -12,6 +12,10 @@ What it does, in the order a reader meets it:
   expiration winning, dictionary values with per-subkey expiration, local caching, path
   caching to the nearest node that lacked a found value, refresh of hot cached keys before
   they expire, and coalescing of concurrent gets of the same key.
+* **Joining**: ping the initial peers, look up our own id, then (``refresh_on_join``) a
+  random id in every farther bucket, as the Kademlia paper's join does: our buckets fill,
+  the nodes there add us, and a small swarm is connected nearly pairwise before its first
+  lookups (which would otherwise each wait for new connections).
 * **Maintenance**: bucket refresh, hand-off of records to newly joined nodes that are
   nearer to them than we are, a blacklist with exponential backoff for nodes that fail.
 
@@ -124,6 +128,7 @@ class DHTNode:
         parallel_rpc: int = 3,
         wait_timeout: float = 3.0,
         refresh_period: float = 600.0,
+        refresh_on_join: bool = True,
         cache_locally: bool = True,
         cache_nearest: int = 1,
         cache_size: int | None = None,
@@ -146,7 +151,7 @@ class DHTNode:
         self.node_id = DHTID.for_peer(peer.peer_id)
         self.bucket_size, self.num_replicas = bucket_size, num_replicas
         self.parallel_rpc, self.wait_timeout = parallel_rpc, wait_timeout
-        self.refresh_period = refresh_period
+        self.refresh_period, self.refresh_on_join = refresh_period, refresh_on_join
         self.cache_locally, self.cache_nearest = cache_locally, cache_nearest
         self.cache_refresh_before_expiry = cache_refresh_before_expiry
         self.cache_on_store, self.reuse_get_requests = cache_on_store, reuse_get_requests
@@ -234,6 +239,16 @@ class DHTNode:
                 "could not reach any initial peer: " + "; ".join(errors or map(str, initial_peers))
             )
         await self._lookup(self.node_id, find_value=False)  # fill the routing table
+        if self.refresh_on_join:
+            # Kademlia's join: a random id in every farther distance range, so our buckets
+            # fill and the nodes there hear of us (and are connected before first use).
+            own = self.routing.get_bucket_index(self.node_id)
+            probes = [
+                bucket.random_id()
+                for index, bucket in enumerate(self.routing.buckets)
+                if index != own
+            ]
+            await asyncio.gather(*(self._lookup(p, find_value=False) for p in probes))
 
     async def shutdown(self) -> None:
         if self._closed:
