@@ -572,12 +572,12 @@ class DHTNode:
         stored = [False] * len(items)
 
         async def replicate(key_id: DHTID, indices: list[int]) -> None:
-            # search twice as wide as the replicas, then store on the nearest few: a search
-            # for only num_replicas nodes stops early at a local minimum of a sparse routing
-            # table (so does one for num_replicas + 2: tests/test_dht_swarm.py then misses
-            # subkeys), one as wide as a bucket costs twice the RPCs for the same nodes
-            width = min(self.bucket_size, 2 * self.num_replicas)
-            lookup = await self._lookup(key_id, find_value=False, k=width)
+            # search as wide as a latest-get reads (num_replicas + 2), all at once, then
+            # store on the nearest num_replicas: a search for only num_replicas nodes stops
+            # early at a local minimum of a sparse routing table; the margin and the tables
+            # the join refresh fills make concurrent writers agree on the replicas
+            width = min(self.bucket_size, self.num_replicas + 2)
+            lookup = await self._lookup(key_id, find_value=False, k=width, alpha=width)
             nearest = lookup.nearest[: self.num_replicas]
             targets = [peer_id for _, peer_id in nearest]
             we_are_near = (
