@@ -423,11 +423,13 @@ def test_forged_auth_signature_is_refused(arun):
 # ---------------------------------------------------------------- handshake bound to TLS
 
 
-def _bound_pair(loop, dialer_id, listener_id, *, binding=b"B" * 48, listener_binding=None, **kw):
+def _bound_pair(
+    loop, dialer_id, listener_id, *, binding=b"B" * 48, listener_binding=None, **listener_kw
+):
     """A dialer and a listener whose carrier says TLS proved listener_id (as TLSLayer does)."""
-    a = Connection(dialer_id, is_dialer=True, expected_peer_id=listener_id.peer_id, **kw)
+    a = Connection(dialer_id, is_dialer=True, expected_peer_id=listener_id.peer_id)
     accepted: list = []
-    b = Connection(listener_id, is_dialer=False, on_stream=accepted.append)
+    b = Connection(listener_id, is_dialer=False, on_stream=accepted.append, **listener_kw)
     ta = MemoryTransport(loop, channel_binding=binding, tls_peer_id=listener_id.peer_id)
     tb = MemoryTransport(loop, channel_binding=listener_binding or binding)
     ta.peer, tb.peer, ta.protocol = tb, ta, a  # the listener attaches later: tb.attach(b)
@@ -483,11 +485,9 @@ def test_bound_auth_from_another_tls_session_is_refused(arun):
 def test_bound_dialer_refuses_a_certificate_of_another_peer_at_once(arun):
     async def main():
         loop = asyncio.get_running_loop()
-        dialer, listener, impostor = (Identity.generate() for _ in range(3))
-        a = Connection(dialer, is_dialer=True, expected_peer_id=listener.peer_id)
-        ta = MemoryTransport(loop, channel_binding=b"B" * 48, tls_peer_id=impostor.peer_id)
-        ta.peer = MemoryTransport(loop)
-        ta.protocol = a
+        listener = Identity.generate()
+        a, _, ta, _, _ = _bound_pair(loop, Identity.generate(), listener)
+        ta.extra["tls_peer_id"] = Identity.generate().peer_id  # an impostor's certificate
         a.connection_made(ta)
         with pytest.raises(PeerIDMismatch, match=f"dialed {listener.peer_id}"):
             await a.handshake_done
@@ -521,12 +521,9 @@ def test_bound_first_write_beyond_the_early_window_finishes_once_hello_arrives(a
 def test_bound_listener_offering_less_than_the_early_window_is_refused(arun):
     async def main():
         loop = asyncio.get_running_loop()
-        dialer, listener = Identity.generate(), Identity.generate()
-        a = Connection(dialer, is_dialer=True, expected_peer_id=listener.peer_id)
-        b = Connection(listener, is_dialer=False, initial_window=4096)
-        ta = MemoryTransport(loop, channel_binding=b"B" * 48, tls_peer_id=listener.peer_id)
-        tb = MemoryTransport(loop, channel_binding=b"B" * 48)
-        ta.peer, tb.peer, ta.protocol = tb, ta, a
+        a, b, ta, tb, _ = _bound_pair(
+            loop, Identity.generate(), Identity.generate(), initial_window=4096
+        )
         a.connection_made(ta)
         stream = a.open_stream(b"x")
         tb.attach(b)
