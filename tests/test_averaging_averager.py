@@ -337,8 +337,10 @@ def test_a_lonely_peer_gives_up_at_its_deadline_and_leaves_its_tensors_alone():
         return result, elapsed, once, elapsed_once
 
     result, elapsed, once, elapsed_once = simulate(main)
-    assert result is None and 7.5 <= elapsed < 8.0
-    assert once is None and elapsed_once < 30  # one search window, no retries
+    # deadlines pass through DHT time (an epoch of 1.8e9 s, whose float steps are ~2e-7 s)
+    tick = 1e-6
+    assert result is None and 7.5 - tick <= elapsed < 8.0
+    assert once is None and elapsed_once <= 30 + tick  # one search window, no retries
     assert all(torch.equal(a, b) for a, b in zip(sets[0], before[0], strict=True))
 
 

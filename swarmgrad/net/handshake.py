@@ -4,7 +4,8 @@ Runs as the first frames on every connection, whatever carries it (TLS over TCP,
 a relayed stream, or the simulated network). Each side sends HELLO with its PeerID, the
 protocol versions it speaks and a fresh 32-byte nonce. Two ways to prove identities:
 
-* **Nonce exchange** (the simulated network, or a carrier without TLS): after reading the
+* **Nonce exchange** (a carrier without TLS: relayed connections on the simulated network,
+  whose direct ones simulate TLS; see swarmgrad.net.sim.backend): after reading the
   other's HELLO each side sends AUTH, an ed25519 signature over a domain tag, both PeerIDs
   and both nonces. The signature covers the nonce the *verifier* just drew, so it cannot
   be replayed, and it names both ends, so a peer that receives our signature cannot
