@@ -93,6 +93,9 @@ class SimBackend:
         for listener in self._listeners:
             listener.close()
         self._listeners.clear()
+        registry = _identities(self.network)
+        if self.identity is not None and registry.get(self.host) == self.identity.peer_id:
+            del registry[self.host]  # whoever listens here next is someone else
 
 
 def sim_identity(rng: random.Random) -> Identity:
