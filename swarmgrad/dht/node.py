@@ -188,6 +188,8 @@ class DHTNode:
         self._handoff_queue: set[PeerID] = set()
         self._closed = False
         self.lookup_hops: list[int] = []  # statistics for benchmarks and tests
+        # refresh targets: drawn per node (seeded by its id), so a seeded simulation repeats
+        self._rng = random.Random(self.node_id)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -244,7 +246,7 @@ class DHTNode:
             # fill and the nodes there hear of us (and are connected before first use).
             own = self.routing.get_bucket_index(self.node_id)
             probes = [
-                bucket.random_id()
+                bucket.random_id(self._rng)
                 for index, bucket in enumerate(self.routing.buckets)
                 if index != own
             ]
@@ -857,7 +859,7 @@ class DHTNode:
             if self.time_fn() - last_bucket_refresh >= self.refresh_period:
                 last_bucket_refresh = self.time_fn()
                 for bucket in self.routing.buckets_to_refresh(self.refresh_period):
-                    probe = DHTID(random.randrange(bucket.lower, bucket.upper))
+                    probe = bucket.random_id(self._rng)
                     await self._lookup(probe, find_value=False)
 
     async def _hand_off(self, newcomers: set[PeerID]) -> None:

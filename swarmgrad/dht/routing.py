@@ -270,9 +270,10 @@ class KBucket:
         left.last_updated = right.last_updated = self.last_updated
         return left, right
 
-    def random_id(self) -> DHTID:
-        """A random id in this bucket's range: the target of a refresh lookup."""
-        return DHTID(random.randrange(self.lower, self.upper))
+    def random_id(self, rng: random.Random | None = None) -> DHTID:
+        """A random id in this bucket's range (from ``rng`` if given): the target of a
+        refresh lookup."""
+        return DHTID((rng or random).randrange(self.lower, self.upper))
 
     def __repr__(self) -> str:
         return (
