@@ -50,6 +50,11 @@ _LAZY = {
     "register_expert_class": "swarmgrad.moe",
     "DecentralizedAverager": "swarmgrad.averaging",
     "GossipAverager": "swarmgrad.averaging",
+    "Optimizer": "swarmgrad.optim",
+    "GradScaler": "swarmgrad.optim",
+    "ProgressTracker": "swarmgrad.optim",
+    "GradientAverager": "swarmgrad.optim",
+    "TrainingStateAverager": "swarmgrad.optim",
 }
 
 

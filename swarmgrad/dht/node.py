@@ -733,7 +733,7 @@ class DHTNode:
         local = self._local_record(key_id)
         if local is not None:
             records.append(local)
-        valid = [r for r in records if self._record_is_valid(key_bytes, r)]
+        valid = [v for v in (self._valid_part(key_bytes, r) for r in records) if v is not None]
         if not valid:
             return None
         merged = _merge_records(valid)
@@ -755,14 +755,25 @@ class DHTNode:
         found = [r for r in found if r is not None]
         return _merge_records(found) if found else None
 
-    def _record_is_valid(self, key_bytes: bytes, record: FoundRecord) -> bool:
+    def _valid_part(self, key_bytes: bytes, record: FoundRecord) -> FoundRecord | None:
+        """The record without what fails validation: a dictionary keeps its valid entries
+        (one forged subkey, stored by a node that does not check it, must not hide every
+        honest entry of the key), a plain value is kept or dropped whole."""
         validate = self.protocol_validator.validate
         if record.dictionary is not None:
-            return all(
-                validate(DHTRecord(key_bytes, sub, value, exp))
+            entries = tuple(
+                (sub, value, exp)
                 for sub, value, exp in record.dictionary
+                if validate(DHTRecord(key_bytes, sub, value, exp))
             )
-        return validate(DHTRecord(key_bytes, NO_SUBKEY, record.value, record.expiration_time))
+            if not entries and record.dictionary:
+                return None
+            if len(entries) == len(record.dictionary):
+                return record
+            return FoundRecord(dictionary=entries)
+        if validate(DHTRecord(key_bytes, NO_SUBKEY, record.value, record.expiration_time)):
+            return record
+        return None
 
     def _cache_record(self, key_id: DHTID, record: FoundRecord) -> None:
         try:

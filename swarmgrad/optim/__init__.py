@@ -1,0 +1,29 @@
+"""Collaborative training: progress tracking, gradient and state averagers, and the
+``Optimizer`` that trains one model across the swarm (DeDLOC)."""
+
+from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
+from swarmgrad.optim.grad_scaler import GradScaler
+from swarmgrad.optim.optimizer import Optimizer
+from swarmgrad.optim.performance_ema import PerformanceEMA
+from swarmgrad.optim.progress import (
+    GlobalTrainingProgress,
+    LocalTrainingProgress,
+    TrainingProgressSchema,
+    aggregate_progress,
+)
+from swarmgrad.optim.progress_tracker import ProgressTracker
+from swarmgrad.optim.state_averager import TrainingStateAverager
+
+__all__ = [
+    "GlobalTrainingProgress",
+    "GradScaler",
+    "GradientAverager",
+    "GradientAveragerFactory",
+    "LocalTrainingProgress",
+    "Optimizer",
+    "PerformanceEMA",
+    "ProgressTracker",
+    "TrainingProgressSchema",
+    "TrainingStateAverager",
+    "aggregate_progress",
+]

@@ -1,0 +1,230 @@
+"""``GradientAverager``: accumulate gradients over local steps, then average them with peers.
+
+::
+
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="run_grads", start=True)
+    for batch in local_batches:
+        loss_fn(model, batch).backward()
+        averager.accumulate_grads_(batch_size=len(batch))
+        model.zero_grad()
+    control = averager.schedule_step(scheduled_time=get_dht_time() + 5)  # find a group early
+    averager.step(control=control)             # average, weighted by samples
+    with averager.use_averaged_gradients():    # the swarm's mean gradient
+        ...
+
+Each step's gradient is a mean over its batch, so the accumulator keeps the sum of
+``batch_size * grad``; divided by the samples, it is the mean gradient over every sample
+this peer saw, and the all-reduce weighs each peer by its samples: the result is the
+mean gradient over the swarm's whole batch, as large-batch SGD would compute it. With
+``reuse_grad_buffers=True`` the parameters' own ``.grad`` buffers are the accumulators
+(no extra memory; the user must not zero them): they hold a sum of per-step gradients,
+divided by the number of steps.
+
+Averaged gradients live in their own buffers (or in ``averaged_grads`` given by the caller,
+e.g. the ``.grad`` of an offloaded optimizer's master copy, which then receives them
+directly). A round that forms no group leaves the local mean there: training falls back
+to local gradients, never to nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from swarmgrad.averaging.allreduce import AveragingMode
+from swarmgrad.averaging.averager import DecentralizedAverager
+from swarmgrad.averaging.step_control import StepControl
+from swarmgrad.dht.dht import DHT
+from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.timeutils import get_dht_time
+
+__all__ = ["GradientAverager", "GradientAveragerFactory"]
+
+logger = logging.getLogger(__name__)
+
+GradientAveragerFactory = Any  # callable(parameters=..., dht=..., prefix=..., **kw) -> averager
+
+
+class GradientAverager(DecentralizedAverager):
+    """Average the gradients of ``parameters`` with the peers under ``prefix`` (see the
+    module docstring). Other keyword arguments go to
+    :class:`~swarmgrad.averaging.averager.DecentralizedAverager` (``start``,
+    ``min_matchmaking_time``, ``compression``, ``client_mode``, ...).
+
+    ``accumulate_grads_on``: device of the accumulators (default: the parameters').
+    ``averaged_grads``: tensors to average in (default: new zero buffers). ``warn``:
+    accepted for hivemind compatibility.
+    """
+
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        *,
+        dht: DHT,
+        prefix: str,
+        reuse_grad_buffers: bool = False,
+        accumulate_grads_on: torch.device | None = None,
+        client_mode: bool | None = None,
+        warn: bool = True,
+        averaged_grads: Sequence[torch.Tensor] | None = None,
+        **kwargs: Any,
+    ):
+        self.parameters = tuple(parameters)
+        if not self.parameters:
+            raise ValidationError("GradientAverager needs at least one parameter")
+        for index, param in enumerate(self.parameters):
+            if not isinstance(param, torch.Tensor) or not param.requires_grad:
+                raise ValidationError(
+                    f"parameter {index} does not require grad: only trainable parameters "
+                    "have gradients to average"
+                )
+        if reuse_grad_buffers and accumulate_grads_on is not None:
+            logger.warning("accumulate_grads_on has no effect with reuse_grad_buffers=True")
+        self.reuse_grad_buffers = bool(reuse_grad_buffers)
+        self.warn = warn
+        self.local_samples_accumulated = 0
+        self.local_times_accumulated = 0
+        self._accumulators: list[torch.Tensor] | None = None
+        if not self.reuse_grad_buffers:
+            self._accumulators = [
+                torch.zeros_like(
+                    p, device=accumulate_grads_on, memory_format=torch.contiguous_format
+                )
+                for p in self.parameters
+            ]
+        if averaged_grads is None:
+            averaged_grads = [
+                torch.zeros_like(p, device="cpu", memory_format=torch.contiguous_format).detach()
+                for p in self.parameters
+            ]
+        averaged_grads = list(averaged_grads)
+        if len(averaged_grads) != len(self.parameters):
+            raise ValidationError(
+                f"averaged_grads has {len(averaged_grads)} tensors for {len(self.parameters)} "
+                "parameters"
+            )
+        for index, (param, buffer) in enumerate(zip(self.parameters, averaged_grads, strict=True)):
+            if buffer.shape != param.shape:
+                raise ValidationError(
+                    f"averaged_grads[{index}] has shape {list(buffer.shape)}, parameter {index} "
+                    f"has {list(param.shape)}"
+                )
+        self._new_averaged_grads = False
+        kwargs.setdefault("allow_state_sharing", False)  # gradients are no state to download
+        super().__init__(averaged_grads, dht, prefix=prefix, client_mode=client_mode, **kwargs)
+
+    # ------------------------------------------------------------------ accumulation
+
+    def _grads_from_parameters(self) -> Iterator[torch.Tensor | None]:
+        for param in self.parameters:
+            yield param.grad
+
+    @torch.no_grad()
+    def accumulate_grads_(self, batch_size: int) -> None:
+        """Add the parameters' current gradients, computed on ``batch_size`` samples."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValidationError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.local_samples_accumulated += batch_size
+        self.local_times_accumulated += 1
+        if self.reuse_grad_buffers:
+            return  # the .grad buffers accumulate by themselves (backward adds to them)
+        assert self._accumulators is not None
+        for grad, accumulator in zip(
+            self._grads_from_parameters(), self._accumulators, strict=True
+        ):
+            if grad is not None:
+                accumulator.add_(grad.to(accumulator.device), alpha=batch_size)
+
+    @torch.no_grad()
+    def reset_accumulated_grads_(self) -> None:
+        """Forget what was accumulated (new epoch, or gradients found invalid)."""
+        self.local_samples_accumulated = self.local_times_accumulated = 0
+        if self.reuse_grad_buffers:
+            for param in self.parameters:
+                if param.grad is not None:
+                    param.grad.zero_()
+        else:
+            assert self._accumulators is not None
+            for accumulator in self._accumulators:
+                accumulator.zero_()
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self) -> None:
+        """Put the local mean gradient into the averaged buffers (what this peer sends;
+        also the fallback when no group forms)."""
+        if self.reuse_grad_buffers:
+            sources = list(self._grads_from_parameters())
+            scale = self.local_times_accumulated
+        else:
+            assert self._accumulators is not None
+            sources, scale = list(self._accumulators), self.local_samples_accumulated
+        with self.get_tensors() as averaged_grads:
+            for source, buffer in zip(sources, averaged_grads, strict=True):
+                if source is None or scale == 0:
+                    buffer.zero_()
+                else:
+                    buffer.copy_(source.to(buffer.device), non_blocking=False)
+                    buffer.mul_(1.0 / scale)
+
+    # ------------------------------------------------------------------ averaging
+
+    def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any) -> StepControl:
+        """Begin matchmaking now for a round that starts at ``scheduled_time`` (DHT time)
+        and waits for :meth:`step` (``control=``) to release it."""
+        if scheduled_time is None:
+            scheduled_time = get_dht_time() + self._options["min_matchmaking_time"]
+        return DecentralizedAverager.step(
+            self, scheduled_time=scheduled_time, require_trigger=True, wait=False, **kwargs
+        )
+
+    def step(
+        self,
+        weight: float | None = None,
+        reset_accumulators: bool = True,
+        control: StepControl | None = None,
+        timeout: float | None = None,
+        wait: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """Average the accumulated gradients with a group: load them into the averaged
+        buffers, weigh them by this peer's samples (``weight`` overrides), optionally
+        reset the accumulators, and release the round (``control``: one scheduled
+        earlier with :meth:`schedule_step`). Returns the round's result, or the control
+        with ``wait=False``."""
+        if control is None:
+            control = self.schedule_step(timeout=timeout, **kwargs)
+        elif kwargs:
+            raise ValidationError(f"options {sorted(kwargs)} cannot apply to a scheduled step")
+        self.load_accumulators_into_averager_()
+        if weight is None:
+            weight = (
+                0.0 if self.mode is AveragingMode.AUX else float(self.local_samples_accumulated)
+            )
+        self._new_averaged_grads = True
+        if reset_accumulators:
+            self.reset_accumulated_grads_()
+        control.weight = weight
+        control.allow_allreduce()
+        if not wait:
+            return control
+        try:
+            return control.result(timeout)
+        except BaseException:
+            control.cancel()
+            raise
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def use_averaged_gradients(self) -> Iterator[Sequence[torch.Tensor]]:
+        """The averaged gradients, locked; hivemind's name."""
+        self._new_averaged_grads = False
+        with self.get_tensors() as averaged_grads:
+            yield averaged_grads
+
+    def notify_used_averaged_gradients(self) -> None:
+        """The averaged gradients were consumed (for the stale-gradient warning)."""
+        self._new_averaged_grads = False

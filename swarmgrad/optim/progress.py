@@ -1,0 +1,181 @@
+"""Training progress records and how the swarm's progress is derived from them.
+
+Each peer of a run publishes one :class:`LocalTrainingProgress` record in the DHT, under
+the key ``f"{run_id}_progress"`` and a subkey that holds its own owner marker, so that
+only that peer can write it (:class:`~swarmgrad.dht.crypto.Ed25519SignatureValidator`)
+and the schema (:class:`TrainingProgressSchema`) bounds every field.
+
+:func:`aggregate_progress` turns the records a peer read into a
+:class:`GlobalTrainingProgress`: the swarm's epoch, the samples accumulated towards
+``target_batch_size`` in that epoch, the number of peers and clients, and when the epoch
+should complete. It is a pure function (no I/O), so the rules below are tested directly.
+
+**Records that lie.** Anyone may publish a record under their own key, and a faulty or
+hostile peer may publish absurd figures. Nothing a single record says can rush or stall
+the swarm by much:
+
+* a record written "in the future" (more than ``max_time_skew`` seconds ahead of our
+  clock) is ignored; an older one is extrapolated at most ``max_extrapolation`` seconds;
+* a peer's rate counts at most ``rate_clip`` times the lower median of all rates (so one
+  peer's 1e18 samples/s does not make the swarm's ETA zero);
+* a peer's samples count at most what its clipped rate could have produced since this
+  epoch began, plus ``plausibility_grace`` seconds' worth, and never more than the target
+  (so 1e18 samples claimed at once do not end the epoch);
+* an epoch claimed by a peer whose claims were shown to be unbacked (no donor could serve
+  a state that new, see :meth:`~.progress_tracker.ProgressTracker.distrust_epochs_above`)
+  counts only up to our own epoch + 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pydantic
+from pydantic import StrictBool, StrictBytes, confloat, conint
+
+from swarmgrad.dht.schema import BytesWithPublicKey
+
+__all__ = [
+    "GlobalTrainingProgress",
+    "LocalTrainingProgress",
+    "ProgressRules",
+    "TrainingProgressSchema",
+    "aggregate_progress",
+]
+
+MAX_EPOCH = 2**53  # an epoch counter beyond this is not a training run
+MAX_SAMPLES = 2**62  # fits msgpack's int64 with room to add
+
+
+class LocalTrainingProgress(pydantic.BaseModel):
+    """What one peer says about itself (hivemind's field names)."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="ignore")
+
+    peer_id: StrictBytes
+    epoch: conint(ge=0, le=MAX_EPOCH, strict=True)
+    samples_accumulated: conint(ge=0, le=MAX_SAMPLES, strict=True)
+    samples_per_second: confloat(ge=0.0, allow_inf_nan=False, strict=True)
+    time: confloat(allow_inf_nan=False, strict=True)
+    client_mode: StrictBool
+
+
+class TrainingProgressSchema(pydantic.BaseModel):
+    """The DHT key ``{run_id}_progress``: one entry per peer, under its owner marker; None
+    is a peer's goodbye."""
+
+    progress: dict[BytesWithPublicKey, LocalTrainingProgress | None]
+
+
+@dataclass
+class GlobalTrainingProgress:
+    """The swarm's progress as one peer sees it (hivemind's fields)."""
+
+    epoch: int
+    samples_accumulated: int
+    target_batch_size: int
+    num_peers: int
+    num_clients: int
+    eta_next_epoch: float
+    next_fetch_time: float
+
+
+@dataclass(frozen=True)
+class ProgressRules:
+    """How records are read and how often to read them again (seconds unless noted)."""
+
+    min_refresh_period: float = 0.5
+    max_refresh_period: float = 10.0
+    default_refresh_period: float = 3.0
+    expected_drift_peers: float = 3.0
+    expected_drift_rate: float = 0.2
+    max_time_skew: float = 30.0
+    max_extrapolation: float = 60.0
+    rate_clip: float = 4.0
+    plausibility_grace: float = 3.0
+
+
+def _lower_median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def aggregate_progress(
+    records: Mapping[bytes, LocalTrainingProgress],
+    *,
+    local_key: bytes,
+    local: LocalTrainingProgress,
+    target_batch_size: int,
+    now: float,
+    epoch_started_at: float,
+    distrusted: frozenset[bytes] = frozenset(),
+    rules: ProgressRules = ProgressRules(),
+) -> GlobalTrainingProgress:
+    """The swarm's progress from the peers' ``records`` (subkey -> record) and our own
+    ``local`` progress (which replaces whatever the DHT still holds under ``local_key``).
+
+    ``epoch_started_at`` is when this peer saw the current global epoch begin; claims of
+    samples are checked against it (see the module docstring)."""
+    peers = {key: record for key, record in records.items() if key != local_key}
+    peers = {key: r for key, r in peers.items() if r.time <= now + rules.max_time_skew}
+    entries = [(local_key, local), *peers.items()]
+
+    epoch = local.epoch
+    for key, record in entries:
+        if record.client_mode and key != local_key:
+            continue  # client peers share no state: their epoch cannot be caught up with
+        claimed = record.epoch
+        if key in distrusted:
+            claimed = min(claimed, local.epoch + 1)
+        epoch = max(epoch, claimed)
+
+    rates = [record.samples_per_second for _, record in entries]
+    positive = [rate for rate in rates if rate > 0]
+    rate_cap = rules.rate_clip * _lower_median(positive) if positive else 0.0
+    elapsed = max(0.0, now - epoch_started_at)
+
+    samples = 0
+    estimated = 0.0
+    total_rate = 0.0
+    for key, record in entries:
+        rate = min(record.samples_per_second, rate_cap)
+        total_rate += rate
+        if record.epoch != epoch or (key in distrusted and record.epoch > local.epoch + 1):
+            continue
+        counted = float(record.samples_accumulated)
+        if key != local_key:
+            plausible = rate * (elapsed + rules.plausibility_grace)
+            counted = min(counted, plausible, float(target_batch_size))
+        samples += int(counted)
+        age = min(max(0.0, now - record.time), rules.max_extrapolation)
+        estimated += counted + age * rate
+
+    num_peers = len(entries)
+    num_clients = sum(1 for _, record in entries if record.client_mode)
+    remaining = max(0.0, target_batch_size - estimated)
+    if remaining == 0:
+        eta = 0.0
+    elif total_rate > 0:
+        eta = remaining / total_rate
+    else:
+        eta = math.inf
+    if num_peers <= 1:
+        refresh = rules.default_refresh_period
+    else:
+        expected_max_peers = max(
+            num_peers + rules.expected_drift_peers, num_peers * (1 + rules.expected_drift_rate)
+        )
+        # Read again before enough newcomers could have finished the epoch unseen.
+        refresh = eta * num_peers / expected_max_peers if math.isfinite(eta) else math.inf
+    refresh = min(max(refresh, rules.min_refresh_period), rules.max_refresh_period)
+    return GlobalTrainingProgress(
+        epoch=epoch,
+        samples_accumulated=samples,
+        target_batch_size=target_batch_size,
+        num_peers=num_peers,
+        num_clients=num_clients,
+        eta_next_epoch=now + eta,
+        next_fetch_time=now + refresh,
+    )

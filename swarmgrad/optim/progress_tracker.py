@@ -1,0 +1,430 @@
+"""``ProgressTracker``: the epoch clock of a collaborative run.
+
+Each peer tells the swarm how far it got (its epoch, the samples it accumulated towards the
+next one, its speed) and reads what the others said, to know when the swarm as a whole has
+processed ``target_batch_size`` samples and the epoch should end::
+
+    tracker = ProgressTracker(dht, "my_run", target_batch_size=4096, start=True)
+    tracker.report_local_progress(local_epoch, samples_accumulated)
+    if tracker.ready_to_update_epoch:
+        with tracker.pause_updates():
+            ...                                   # average, step
+            local_epoch = tracker.update_epoch(local_epoch + 1)
+
+Both loops (publishing and reading) run as tasks on the process's event loop thread: no
+thread per tracker. Each record is signed by this peer's own identity (the DHT peer's by
+default), so several peers in one process keep separate records; hivemind signs with one
+key per process, so two in-process peers overwrite each other's progress.
+
+Reading happens more often as the estimated end of the epoch nears (see
+:func:`~.progress.aggregate_progress`); a report is published at once when the local
+progress changes, and at least every ``metadata_expiration / 2`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from swarmgrad.dht.crypto import Ed25519SignatureValidator
+from swarmgrad.dht.dht import DHT
+from swarmgrad.dht.schema import SchemaValidator
+from swarmgrad.dht.storage import ValueWithExpiration
+from swarmgrad.net.identity import Identity
+from swarmgrad.optim.performance_ema import PerformanceEMA
+from swarmgrad.optim.progress import (
+    GlobalTrainingProgress,
+    LocalTrainingProgress,
+    ProgressRules,
+    TrainingProgressSchema,
+    aggregate_progress,
+)
+from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.loop_thread import get_loop, run_coroutine_future
+from swarmgrad.utils.timeutils import get_dht_time
+
+__all__ = ["ProgressTracker"]
+
+logger = logging.getLogger(__name__)
+
+
+class ProgressTracker:
+    """Publishes this peer's progress under ``f"{prefix}_progress"`` and derives the swarm's.
+
+    Arguments (hivemind's names): ``dht``, ``prefix`` (the run id), ``target_batch_size``
+    (samples per global epoch); ``client_mode`` (default: the DHT's); the refresh periods
+    and drift expectations of :class:`~.progress.ProgressRules`;
+    ``performance_ema_alpha``; ``metadata_expiration`` (how long a record lives);
+    ``status_loglevel``; ``private_key``: the :class:`~swarmgrad.net.identity.Identity`
+    that owns and signs this peer's record (default: the DHT peer's identity);
+    ``start``. ``daemon`` is accepted and ignored (no thread is started).
+    """
+
+    def __init__(
+        self,
+        dht: DHT,
+        prefix: str,
+        target_batch_size: int,
+        *,
+        client_mode: bool | None = None,
+        min_refresh_period: float = 0.5,
+        max_refresh_period: float = 10,
+        default_refresh_period: float = 3,
+        expected_drift_peers: float = 3,
+        expected_drift_rate: float = 0.2,
+        performance_ema_alpha: float = 0.1,
+        metadata_expiration: float = 60.0,
+        status_loglevel: int = logging.DEBUG,
+        private_key: Identity | None = None,
+        daemon: bool = True,
+        start: bool,
+        **rules: Any,
+    ):
+        if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int):
+            raise ValidationError(f"target_batch_size must be an int, got {target_batch_size!r}")
+        if target_batch_size <= 0:
+            raise ValidationError(f"target_batch_size must be positive, got {target_batch_size}")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValidationError(f"prefix (the run id) must be a non-empty str, got {prefix!r}")
+        for name, value in (
+            ("min_refresh_period", min_refresh_period),
+            ("max_refresh_period", max_refresh_period),
+            ("default_refresh_period", default_refresh_period),
+            ("metadata_expiration", metadata_expiration),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValidationError(f"{name} must be a positive number, got {value!r}")
+        if min_refresh_period > max_refresh_period:
+            raise ValidationError(
+                f"min_refresh_period ({min_refresh_period}) exceeds max_refresh_period "
+                f"({max_refresh_period})"
+            )
+        if dht.peer is None:
+            raise ValidationError("the DHT is not running: start it before the ProgressTracker")
+        self.dht, self.prefix = dht, prefix
+        self.client_mode = dht.client_mode if client_mode is None else bool(client_mode)
+        self.target_batch_size = target_batch_size
+        self.training_progress_key = f"{prefix}_progress"
+        self.metadata_expiration = float(metadata_expiration)
+        self.status_loglevel = status_loglevel
+        self.rules = ProgressRules(
+            min_refresh_period=float(min_refresh_period),
+            max_refresh_period=float(max_refresh_period),
+            default_refresh_period=float(default_refresh_period),
+            expected_drift_peers=float(expected_drift_peers),
+            expected_drift_rate=float(expected_drift_rate),
+            **rules,
+        )
+        self.performance_ema = PerformanceEMA(alpha=performance_ema_alpha)
+        identity = private_key if private_key is not None else dht.peer.identity
+        signer = Ed25519SignatureValidator(identity)
+        self._local_public_key = signer.local_public_key
+        dht.add_validators([SchemaValidator(TrainingProgressSchema, prefix=prefix), signer])
+
+        self._lock = threading.Lock()  # guards local and global progress
+        self._paused = 0
+        self._distrusted: set[bytes] = set()
+        self._last_records: dict[bytes, LocalTrainingProgress] = {}
+        # (epoch, DHT time this peer saw it begin): claims of samples are checked against it
+        self._epoch_began = (0, get_dht_time())
+        self.local_progress = self._make_local_progress(0, 0)
+        self.global_progress = GlobalTrainingProgress(
+            epoch=0,
+            samples_accumulated=0,
+            target_batch_size=target_batch_size,
+            num_peers=1,
+            num_clients=int(self.client_mode),
+            eta_next_epoch=math.inf,
+            next_fetch_time=get_dht_time(),
+        )
+        self.fetched_global_progress_this_epoch = threading.Event()
+        self._report_now: asyncio.Event | None = None
+        self._fetch_now: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+        self._task: Any = None
+        self._said_goodbye = False
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        """Begin publishing and reading progress; returns once the first read is done."""
+        if self._task is not None:
+            raise ValidationError("this ProgressTracker is already running")
+        ready = threading.Event()
+        self._task = run_coroutine_future(self._run(ready))
+        while not ready.wait(0.1):
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                break
+
+    def is_alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop, and tell the others this peer left (a None record, its goodbye)."""
+        task = self._task
+        if task is None or self._said_goodbye:
+            return
+        self._said_goodbye = True
+        loop = get_loop()
+        if self._stop is not None:
+            loop.call_soon_threadsafe(self._stop.set)
+        with contextlib.suppress(Exception):
+            task.result(timeout)
+        if not task.done():
+            task.cancel()
+        if self.dht.node is None:
+            return  # the DHT is gone: the record simply expires
+        goodbye = self.dht.store(
+            self.training_progress_key,
+            subkey=self._local_public_key,
+            value=None,
+            expiration_time=get_dht_time() + self.metadata_expiration,
+            return_future=True,
+        )
+        try:
+            goodbye.result(timeout if timeout is not None else self.metadata_expiration)
+        except Exception as e:
+            logger.debug("%s: could not say goodbye: %r", self.prefix, e)
+            goodbye.cancel()
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def global_epoch(self) -> int:
+        return self.global_progress.epoch
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        """Whether this peer may move to the next epoch now."""
+        progress = self.global_progress
+        return (
+            progress.epoch > self.local_progress.epoch
+            or progress.samples_accumulated >= self.target_batch_size
+            or get_dht_time() >= progress.eta_next_epoch
+        )
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        """DHT time at which this peer should move to the next epoch."""
+        if self.ready_to_update_epoch:
+            return get_dht_time()
+        return self.global_progress.eta_next_epoch
+
+    def distrust_epochs_above(self, epoch: int) -> None:
+        """No donor could serve a state newer than ``epoch``: peers that claim an epoch
+        beyond ``epoch + 1`` made it up (or serve no state). From now on their claims
+        count only up to our own epoch + 1, so they cannot keep us downloading state."""
+        with self._lock:
+            records = self._last_records
+            liars = {key for key, r in records.items() if r.epoch > epoch + 1}
+            if liars:
+                logger.warning(
+                    "%s: %d peer(s) claim epochs beyond %d that no donor can serve; their "
+                    "epoch claims are capped from now on",
+                    self.prefix,
+                    len(liars),
+                    epoch + 1,
+                )
+            self._distrusted |= liars
+        self.request_fetch()
+
+    # ------------------------------------------------------------------ writing
+
+    def report_local_progress(
+        self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True
+    ) -> None:
+        """This peer is at ``local_epoch`` with ``samples_accumulated`` samples towards the
+        next one; tell the swarm (soon, from the loop thread)."""
+        with self._lock:
+            extra = samples_accumulated - self.local_progress.samples_accumulated
+            if (
+                update_global_samples
+                and local_epoch == self.local_progress.epoch == self.global_progress.epoch
+            ):
+                self.global_progress.samples_accumulated = max(
+                    0, self.global_progress.samples_accumulated + extra
+                )
+            if extra > 0:
+                self.performance_ema.update(task_size=extra)
+            else:
+                self.performance_ema.reset_timer()
+            self.local_progress = self._make_local_progress(local_epoch, samples_accumulated)
+        self._set_soon("_report_now")
+
+    @contextlib.contextmanager
+    def pause_updates(self) -> Iterator[None]:
+        """Freeze the global progress (reads are not applied) and the speed estimate
+        while the block runs: the epoch transition happens inside it."""
+        with self._lock:
+            self._paused += 1
+        try:
+            with self.performance_ema.pause():
+                yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+
+    def update_epoch(self, new_epoch: int | None = None) -> int:
+        """Move this peer to ``new_epoch`` (default: the next) with no samples yet; call it
+        inside :meth:`pause_updates`."""
+        if not self._paused:
+            raise ValidationError("update_epoch must be called inside pause_updates()")
+        with self._lock:
+            if new_epoch is None:
+                new_epoch = self.local_progress.epoch + 1
+            if new_epoch > self.global_progress.epoch:
+                self.global_progress.epoch = new_epoch
+                self.global_progress.samples_accumulated = 0
+                self.global_progress.eta_next_epoch = math.inf
+            if new_epoch > self._epoch_began[0]:
+                self._epoch_began = (new_epoch, get_dht_time())
+        self.report_local_progress(new_epoch, 0)
+        self.fetched_global_progress_this_epoch.clear()
+        return new_epoch
+
+    def request_fetch(self) -> None:
+        """Read the swarm's progress now rather than at the next scheduled time."""
+        self._set_soon("_fetch_now")
+
+    # ------------------------------------------------------------------ internals
+
+    def _make_local_progress(self, epoch: int, samples: int) -> LocalTrainingProgress:
+        return LocalTrainingProgress(
+            peer_id=self.dht.peer_id.to_bytes(),
+            epoch=int(epoch),
+            samples_accumulated=int(samples),
+            samples_per_second=float(self.performance_ema.samples_per_second),
+            time=float(get_dht_time()),
+            client_mode=self.client_mode,
+        )
+
+    def _set_soon(self, name: str) -> None:
+        event = getattr(self, name)
+        if event is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to wake
+                get_loop().call_soon_threadsafe(event.set)
+
+    async def _run(self, ready: threading.Event) -> None:
+        self._report_now, self._fetch_now = asyncio.Event(), asyncio.Event()
+        self._stop = asyncio.Event()
+        try:
+            await self._fetch_once()
+        finally:
+            ready.set()
+        stopper = asyncio.ensure_future(self._stop.wait())
+        try:
+            async with asyncio.TaskGroup() as group:
+                reporter = group.create_task(self._reporter())
+                fetcher = group.create_task(self._fetcher())
+                await stopper
+                reporter.cancel()
+                fetcher.cancel()
+        finally:
+            stopper.cancel()
+            logger.log(self.status_loglevel, "%s: no longer tracking progress", self.prefix)
+
+    async def _reporter(self) -> None:
+        assert self._report_now is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.metadata_expiration / 2):
+                    await self._report_now.wait()
+            self._report_now.clear()
+            progress = self.local_progress
+            node = self.dht.node
+            if node is None:
+                return
+            try:
+                async with asyncio.timeout(self.metadata_expiration / 2):
+                    await node.store(
+                        self.training_progress_key,
+                        progress.model_dump(),
+                        expiration_time=progress.time + self.metadata_expiration,
+                        subkey=self._local_public_key,
+                    )
+            except (Exception, TimeoutError) as e:
+                logger.debug("%s: publishing progress failed: %r", self.prefix, e)
+
+    async def _fetcher(self) -> None:
+        assert self._fetch_now is not None
+        while True:
+            delay = max(0.0, self.global_progress.next_fetch_time - get_dht_time())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._fetch_now.wait()
+            self._fetch_now.clear()
+            await self._fetch_once()
+
+    async def _fetch_once(self) -> None:
+        node = self.dht.node
+        if node is None:
+            return
+        try:
+            async with asyncio.timeout(max(self.rules.max_refresh_period, 5.0)):
+                found = await node.get(self.training_progress_key, latest=True)
+        except (Exception, TimeoutError) as e:
+            logger.debug("%s: reading progress failed: %r", self.prefix, e)
+            found = None
+        records = _parse_records(found)
+        with self._lock:
+            self._last_records = records
+            if self._paused:
+                # the optimizer is moving between epochs: read again right after it
+                self.global_progress.next_fetch_time = (
+                    get_dht_time() + self.rules.min_refresh_period
+                )
+                return
+            self.global_progress = aggregate_progress(
+                records,
+                local_key=self._local_public_key,
+                local=self.local_progress,
+                target_batch_size=self.target_batch_size,
+                now=get_dht_time(),
+                epoch_started_at=self._epoch_began[1],
+                distrusted=frozenset(self._distrusted),
+                rules=self.rules,
+            )
+            if self.global_progress.epoch > self._epoch_began[0]:
+                self._epoch_began = (self.global_progress.epoch, get_dht_time())
+        self.fetched_global_progress_this_epoch.set()
+        progress = self.global_progress
+        logger.log(
+            self.status_loglevel,
+            "%s: epoch %d, %d/%d samples from %d peers, ETA %.2f s",
+            self.prefix,
+            progress.epoch,
+            progress.samples_accumulated,
+            self.target_batch_size,
+            progress.num_peers,
+            progress.eta_next_epoch - get_dht_time(),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.prefix!r}, local epoch {self.local_progress.epoch}, "
+            f"global epoch {self.global_epoch})"
+        )
+
+
+def _parse_records(found: Any) -> dict[bytes, LocalTrainingProgress]:
+    """subkey -> record for every well-formed record (goodbyes and junk left out)."""
+    if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
+        return {}
+    records = {}
+    for subkey, entry in found.value.items():
+        value = entry.value if isinstance(entry, ValueWithExpiration) else None
+        if not isinstance(subkey, bytes) or not isinstance(value, dict):
+            continue
+        try:
+            records[subkey] = LocalTrainingProgress.model_validate(value, strict=True)
+        except Exception:
+            continue
+    return records
