@@ -473,6 +473,13 @@ class Optimizer(torch.optim.Optimizer):
                 "the optimizer's parameters changed shape or dtype during training; every "
                 "peer of a run must keep the same tensors"
             )
+        if self.tracker.global_progress.num_peers <= 1:
+            # About to step alone: look once more, in case peers started with us unseen
+            # (a read costs one DHT lookup; a lone epoch costs the swarm its sync).
+            try:
+                self.tracker.refresh(timeout=self.matchmaking_time)
+            except Exception as e:
+                logger.debug("%s: refreshing progress failed: %r", self.run_id, e)
         began = time.perf_counter()
         with self.tracker.pause_updates():
             wait_for_trigger = None

@@ -45,7 +45,7 @@ from swarmgrad.optim.progress import (
     aggregate_progress,
 )
 from swarmgrad.utils.errors import ValidationError
-from swarmgrad.utils.loop_thread import get_loop, run_coroutine_future
+from swarmgrad.utils.loop_thread import get_loop, run_coroutine, run_coroutine_future
 from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = ["ProgressTracker"]
@@ -290,6 +290,11 @@ class ProgressTracker:
         self.fetched_global_progress_this_epoch.clear()
         return new_epoch
 
+    def refresh(self, timeout: float | None = None) -> GlobalTrainingProgress:
+        """Read the swarm's progress now and wait for it (outside pause_updates)."""
+        run_coroutine(self._fetch_once(), timeout=timeout)
+        return self.global_progress
+
     def request_fetch(self) -> None:
         """Read the swarm's progress now rather than at the next scheduled time."""
         self._set_soon("_fetch_now")
@@ -333,6 +338,7 @@ class ProgressTracker:
 
     async def _reporter(self) -> None:
         assert self._report_now is not None
+        self._report_now.set()  # say hello at once: joiners are counted from the start
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.metadata_expiration / 2):

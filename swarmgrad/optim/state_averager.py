@@ -368,19 +368,40 @@ class TrainingStateAverager(DecentralizedAverager):
         if not (optimizer_step or zero_grad or averaging_round or wait_for_trigger):
             return
         started = get_dht_time()
+        delay_update = delay_optimizer_step and (optimizer_step or wait_for_trigger is not None)
 
-        def work() -> Callable[[], None] | None:
+        def update() -> None:
             if wait_for_trigger is not None:
                 wait_for_trigger()
             if optimizer_step:
                 self._optimizer_step(grad_scaler)
             if zero_grad:
                 self.optimizer.zero_grad(set_to_none=not self.custom_gradients)
-            if not averaging_round:
-                return self._copy_offloaded_to_main if optimizer_step else None
+
+        def average() -> Callable[[], None] | None:
             self.delay_before_averaging.update(task_size=1, interval=get_dht_time() - started)
             averaged = self._averaging_round(averaging_control, averaging_opts or {})
             self.finished_averaging_round.set()
+            return averaged
+
+        if not delay_update:
+            # the model gets this update now, whatever happens to the averaging round
+            update()
+            if optimizer_step:
+                self._copy_offloaded_to_main()
+            if not averaging_round:
+                return
+            if not delay_averaging:
+                apply = average()
+                if apply is not None:
+                    apply()
+                    self._copy_offloaded_to_main()
+                return
+
+        def work() -> Callable[[], None]:
+            if delay_update:
+                update()
+            averaged = average() if averaging_round else None
 
             def apply() -> None:
                 if averaged is not None:
@@ -389,14 +410,8 @@ class TrainingStateAverager(DecentralizedAverager):
 
             return apply
 
-        delay = (optimizer_step and delay_optimizer_step) or (averaging_round and delay_averaging)
-        if delay:
-            with self._pending_lock:
-                self._pending = self._executor.submit(work)
-            return
-        apply = work()
-        if apply is not None:
-            apply()
+        with self._pending_lock:
+            self._pending = self._executor.submit(work)
 
     def _optimizer_step(self, grad_scaler: Any) -> None:
         with self._state_lock:

@@ -1,0 +1,483 @@
+"""swarmgrad.Optimizer end to end: peers in one process (each with its own DHT peer and
+identity) train a small model together over loopback, in every mode, with bad input."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from swarmgrad.averaging.allreduce import AveragingMode, GroupMismatch
+from swarmgrad.optim import Optimizer
+from swarmgrad.utils.errors import ValidationError
+from tests.optim_helpers import (
+    RUN,
+    Trainer,
+    dht_swarm,
+    join,
+    make_model,
+    make_optimizer,
+    max_difference,
+    snapshot,
+    start_together,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def shutdown_all(*opts: Optimizer) -> None:
+    for opt in opts:
+        opt.shutdown()
+
+
+def test_two_peers_average_gradients_and_stay_identical():
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [make_optimizer(d, m) for d, m in zip(dhts, models, strict=True)]
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=3)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            assert all(o.local_epoch >= 3 for o in opts)
+            # both peers applied the same averaged gradient at each epoch
+            assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
+            assert opts[0].grad_averager.last_result is not None
+            assert opts[0].tracker.global_progress.num_peers == 2
+        finally:
+            shutdown_all(*opts)
+
+
+def test_averaged_update_equals_large_batch_sgd():
+    """The first epoch of two peers with different data equals one SGD step on the mean
+    gradient of all the samples they computed in it (synchronous mode is large-batch
+    training)."""
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [
+            make_optimizer(d, m, target_batch_size=48) for d, m in zip(dhts, models, strict=True)
+        ]
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=1, pause=0.05)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            assert opts[0].grad_averager.last_result is not None
+            xs = torch.cat([x for t in trainers for epoch, x, _ in t.batches if epoch == 0])
+            ys = torch.cat([y for t in trainers for epoch, _, y in t.batches if epoch == 0])
+            assert len(xs) >= 48
+            reference = make_model(0)
+            torch.nn.functional.mse_loss(reference(xs), ys).backward()
+            with torch.no_grad():
+                for p in reference.parameters():
+                    p -= 0.05 * p.grad
+            for t in trainers:
+                assert max_difference(t.params_at_epoch[1], snapshot(reference)) < 1e-5
+        finally:
+            shutdown_all(*opts)
+
+
+def test_joiner_downloads_state_and_is_in_sync_at_first_update(caplog):
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [make_optimizer(d, m) for d, m in zip(dhts, models, strict=True)]
+        late_opt = None
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=6)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            wait_until(lambda: opts[0].local_epoch >= 2, 60, "epoch 2")
+            late_model = make_model(seed=123)  # other initial weights: must be replaced
+            late_opt = make_optimizer(join(dhts), late_model)
+            late = Trainer(late_opt, late_model, seed=7, until_epoch=6)
+            late.start()
+            for t in (*trainers, late):
+                t.result()
+            joined_at = min(e for e in late.params_at_epoch if e > 0)
+            assert joined_at >= 2, "the joiner starts at the swarm's epoch, not at 0"
+            for epoch, params in late.params_at_epoch.items():
+                if epoch > joined_at and epoch in trainers[0].params_at_epoch:
+                    assert max_difference(params, trainers[0].params_at_epoch[epoch]) < 1e-6
+            assert max_difference(snapshot(late_model), snapshot(models[0])) < 1e-6
+        finally:
+            shutdown_all(*opts, *([late_opt] if late_opt else []))
+
+
+def test_peer_that_fell_behind_loads_state_before_its_next_update():
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        # while peer 1 pauses, each of peer 0's epochs waits for it up to averaging_timeout
+        opts = [
+            make_optimizer(d, m, averaging_timeout=3.0) for d, m in zip(dhts, models, strict=True)
+        ]
+        try:
+            first = Trainer(opts[0], models[0], seed=0, until_epoch=2)
+            second = Trainer(opts[1], models[1], seed=1, until_epoch=2)
+            start_together([first, second])
+            first.result(), second.result()
+            # peer 1 pauses while peer 0 trains alone for three more epochs
+            Trainer(opts[0], models[0], seed=0, until_epoch=5).start()
+            wait_until(lambda: opts[0].local_epoch >= 5, 60, "peer 0 at epoch 5")
+            assert opts[1].local_epoch == 2
+            wait_until(lambda: opts[1].tracker.global_epoch >= 5, 30, "peer 1 seeing epoch 5")
+            assert not opts[1].is_synchronized_with_peers()
+            # its next step notices and downloads the state instead of updating
+            from tests.optim_helpers import local_step
+
+            local_step(models[1], torch.Generator().manual_seed(5))
+            opts[1].step()
+            assert opts[1].local_epoch >= 5
+            assert max_difference(snapshot(models[1]), snapshot(models[0])) < 1e-6
+        finally:
+            shutdown_all(*opts)
+
+
+def test_local_updates_mode_averages_parameters_each_epoch():
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(1)]
+        opts = [
+            make_optimizer(d, m, use_local_updates=True, delay_state_averaging=False)
+            for d, m in zip(dhts, models, strict=True)
+        ]
+        try:
+            assert opts[0].use_local_updates and opts[0].grad_averager is None
+            before = snapshot(models[0])
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=3)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            assert max_difference(before, snapshot(models[0])) > 0
+            # different initial weights were pulled together by parameter averaging
+            initial_gap = max_difference(snapshot(make_model(0)), snapshot(make_model(1)))
+            assert max_difference(snapshot(models[0]), snapshot(models[1])) < initial_gap / 2
+        finally:
+            shutdown_all(*opts)
+
+
+def test_delayed_updates_overlap_and_keep_peers_identical():
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [
+            make_optimizer(d, m, delay_optimizer_step=True, delay_grad_averaging=True)
+            for d, m in zip(dhts, models, strict=True)
+        ]
+        try:
+            assert opts[0].offload_optimizer
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=4)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            for o in opts:
+                o.state_averager.step(wait_for_delayed_updates=True)
+            assert max_difference(snapshot(models[0]), snapshot(make_model(0))) > 0
+            assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
+        finally:
+            shutdown_all(*opts)
+
+
+def test_scheduler_steps_once_per_global_epoch():
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [
+            make_optimizer(
+                d, m, scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e)
+            )
+            for d, m in zip(dhts, models, strict=True)
+        ]
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=3)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            for o in opts:
+                assert o.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**o.local_epoch)
+        finally:
+            shutdown_all(*opts)
+
+
+def test_client_mode_is_honoured_and_client_trains_with_the_swarm():
+    """hivemind drops client_mode=True given to the Optimizer; here it is kept."""
+    with dht_swarm(3) as dhts:
+        models = [make_model(0) for _ in range(3)]
+        opts = [
+            make_optimizer(d, m, client_mode=(i == 2))
+            for i, (d, m) in enumerate(zip(dhts, models, strict=True))
+        ]
+        try:
+            assert opts[2].client_mode and opts[2].tracker.client_mode
+            assert opts[2].grad_averager.mode is AveragingMode.CLIENT
+            assert opts[2].state_averager.mode is AveragingMode.CLIENT
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=3)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            assert max_difference(snapshot(models[2]), snapshot(models[0])) < 1e-6
+            assert opts[0].tracker.global_progress.num_clients == 1
+        finally:
+            shutdown_all(*opts)
+
+
+def test_auxiliary_peer_helps_averaging_without_data():
+    with dht_swarm(3) as dhts:
+        models = [make_model(0) for _ in range(3)]
+        opts = [make_optimizer(d, m) for d, m in zip(dhts[:2], models[:2], strict=True)]
+        aux = make_optimizer(dhts[2], models[2], auxiliary=True, batch_size_per_step=None)
+        try:
+            assert aux.grad_averager.mode is AveragingMode.AUX
+            with pytest.raises(ValidationError, match="auxiliary"):
+                aux.step(batch_size=4)
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=3)
+                for i, (o, m) in enumerate(zip(opts, models[:2], strict=True))
+            ]
+            start_together(trainers)
+            import time
+
+            while any(t.is_alive() for t in trainers):
+                aux.step()
+                time.sleep(0.05)
+            for t in trainers:
+                t.result()
+            assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
+        finally:
+            shutdown_all(*opts, aux)
+
+
+def test_two_optimizers_in_one_process_keep_separate_signed_records():
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [make_optimizer(d, m) for d, m in zip(dhts, models, strict=True)]
+        try:
+            keys = {o.tracker._local_public_key for o in opts}
+            assert len(keys) == 2, "each peer signs with its own identity"
+            for i, o in enumerate(opts):
+                o.tracker.report_local_progress(0, 8 * (i + 1))
+
+            def both_visible():
+                found = dhts[0].get(f"{RUN}_progress", latest=True)
+                if found is None:
+                    return False
+                samples = {v.value["samples_accumulated"] for v in found.value.values()}
+                return samples == {8, 16}
+
+            wait_until(both_visible, 20, "both records")
+        finally:
+            shutdown_all(*opts)
+
+
+def test_forged_progress_record_for_another_peer_is_refused():
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [make_optimizer(d, m) for d, m in zip(dhts, models, strict=True)]
+        try:
+            victim_key = opts[0].tracker._local_public_key
+            opts[0].tracker.report_local_progress(0, 8)
+            forged = opts[0].local_progress.model_dump() | {"samples_accumulated": 10**6}
+            from swarmgrad.utils.timeutils import get_dht_time
+
+            stored = dhts[1].store(
+                f"{RUN}_progress", forged, get_dht_time() + 30, subkey=victim_key
+            )
+            assert stored is False  # nobody accepts an unsigned write under another's key
+
+            def victim_record_read() -> bool:
+                opts[1].tracker.refresh(timeout=5)
+                record = opts[1].tracker._last_records.get(victim_key)
+                return record is not None and record.samples_accumulated > 0
+
+            wait_until(victim_record_read, 20, "the victim's record")
+            assert opts[1].tracker._last_records[victim_key].samples_accumulated == 8
+        finally:
+            shutdown_all(*opts)
+
+
+def test_goodbye_removes_the_peer_from_the_swarm_count():
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [make_optimizer(d, m) for d, m in zip(dhts, models, strict=True)]
+        try:
+            for o in opts:
+                o.tracker.report_local_progress(0, 8)
+            opts[0].tracker.request_fetch()
+            wait_until(lambda: opts[0].tracker.global_progress.num_peers == 2, 20, "2 peers")
+            opts[1].shutdown()
+            opts[0].tracker.request_fetch()
+            wait_until(lambda: opts[0].tracker.global_progress.num_peers == 1, 20, "goodbye")
+        finally:
+            shutdown_all(*opts)
+
+
+def test_nan_gradients_of_one_peer_are_left_out_of_the_average(caplog):
+    with dht_swarm(3) as dhts:
+        models = [make_model(0) for _ in range(3)]
+        opts = [
+            make_optimizer(d, m, target_batch_size=48) for d, m in zip(dhts, models, strict=True)
+        ]
+
+        def poison(trainer: Trainer) -> None:
+            pass
+
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=2)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            bad = models[2]
+            original_forward = bad.forward
+
+            def nan_forward(x):
+                return original_forward(x) * float("nan")
+
+            bad.forward = nan_forward
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            for model in models[:2]:
+                assert all(torch.isfinite(p).all() for p in model.parameters())
+            assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
+        finally:
+            shutdown_all(*opts)
+
+
+def test_peer_with_other_parameter_shapes_is_refused_naming_the_tensor():
+    with dht_swarm(3) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [make_optimizer(d, m) for d, m in zip(dhts[:2], models, strict=True)]
+        odd_opt = None
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=3)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            wait_until(lambda: opts[0].local_epoch >= 1, 60, "epoch 1")
+            odd_model = torch.nn.Sequential(
+                torch.nn.Linear(8, 17), torch.nn.Tanh(), torch.nn.Linear(17, 2)
+            )
+            odd_opt = make_optimizer(dhts[2], odd_model)
+            odd = Trainer(odd_opt, odd_model, seed=3, until_epoch=3)
+            odd.start()
+            with pytest.raises((ValidationError, GroupMismatch), match=r"parameter 0|tensor 0"):
+                odd.result()
+            for t in trainers:
+                t.result()
+        finally:
+            shutdown_all(*opts, *([odd_opt] if odd_opt else []))
+
+
+# ---------------------------------------------------------------------- construction
+
+
+@pytest.fixture(scope="module")
+def one_dht():
+    with dht_swarm(1) as dhts:
+        yield dhts[0]
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"target_batch_size": 0}, "target_batch_size"),
+        ({"target_batch_size": -5}, "target_batch_size"),
+        ({"use_local_updates": True, "reuse_grad_buffers": True}, "reuse_grad_buffers"),
+        (
+            {"use_local_updates": True, "delay_grad_averaging": True, "delay_optimizer_step": True},
+            "delay_grad_averaging",
+        ),
+        ({"client_mode": True, "auxiliary": True}, "auxiliary"),
+        ({"delay_grad_averaging": True, "delay_optimizer_step": False}, "delay_optimizer_step"),
+        ({"offload_optimizer": False, "delay_optimizer_step": True}, "offload_optimizer"),
+        ({"average_state_every": 0}, "average_state_every"),
+        ({"matchmaking_time": -1}, "matchmaking_time"),
+    ],
+)
+def test_conflicting_or_bad_options_are_refused_by_name(one_dht, options, match):
+    with pytest.raises(ValidationError, match=match):
+        make_optimizer(one_dht, make_model(), **options)
+
+
+def test_optimizer_factory_that_raises_is_reported(one_dht):
+    def broken(params):
+        raise RuntimeError("no such optimizer")
+
+    with pytest.raises(ValidationError, match="optimizer factory raised RuntimeError"):
+        make_optimizer(one_dht, make_model(), optimizer=broken)
+
+
+def test_scheduler_factory_that_raises_is_reported(one_dht):
+    def broken(opt):
+        raise KeyError("warmup")
+
+    with pytest.raises(ValidationError, match="scheduler factory raised KeyError"):
+        make_optimizer(one_dht, make_model(), scheduler=broken)
+
+
+def test_ready_made_optimizer_is_accepted_and_params_with_it_refused(one_dht):
+    model = make_model()
+    torch_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValidationError, match="params"):
+        make_optimizer(one_dht, model, optimizer=torch_opt, params=model.parameters())
+    opt = make_optimizer(one_dht, model, optimizer=torch_opt, params=None, run_id="ready")
+    try:
+        assert opt.opt is torch_opt and not opt.offload_optimizer
+        assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+    finally:
+        opt.shutdown()
+
+
+def test_zero_grad_refused_with_reused_buffers_and_step_needs_a_batch_size(one_dht):
+    opt = make_optimizer(
+        one_dht, make_model(), reuse_grad_buffers=True, batch_size_per_step=None, run_id="zg"
+    )
+    try:
+        with pytest.raises(ValidationError, match="reuse_grad_buffers"):
+            opt.zero_grad()
+        with pytest.raises(ValidationError, match="batch_size"):
+            opt.step()
+        with pytest.raises(ValidationError, match="GradScaler"):
+            opt.step(batch_size=4, grad_scaler=torch.amp.GradScaler("cpu"))
+    finally:
+        opt.shutdown()
+    with pytest.raises(ValidationError, match="shut down"):
+        opt.step(batch_size=4)
+
+
+def test_state_dict_round_trip_keeps_the_epoch(one_dht):
+    model = make_model()
+    opt = make_optimizer(
+        one_dht, model, run_id="sd", optimizer=lambda p: torch.optim.Adam(p, lr=1e-3)
+    )
+    try:
+        opt.state_averager.local_epoch = 7
+        state = opt.state_dict()
+        assert state["state"]["local_epoch"] == 7
+        opt.state_averager.local_epoch = 0
+        opt.load_state_dict(state)
+        assert opt.local_epoch == 7
+        with pytest.raises(ValidationError):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+        logging.getLogger(__name__).debug("%r", opt)
+    finally:
+        opt.shutdown()
