@@ -11,16 +11,20 @@ and the schema (:class:`TrainingProgressSchema`) bounds every field.
 should complete. It is a pure function (no I/O), so the rules below are tested directly.
 
 **Records that lie.** Anyone may publish a record under their own key, and a faulty or
-hostile peer may publish absurd figures. Nothing a single record says can rush or stall
-the swarm by much:
+hostile peer may publish absurd figures. What a single record says has a bounded effect:
 
 * a record written "in the future" (more than ``max_time_skew`` seconds ahead of our
   clock) is ignored; an older one is extrapolated at most ``max_extrapolation`` seconds;
 * a peer's rate counts at most ``rate_clip`` times the lower median of all rates (so one
   peer's 1e18 samples/s does not make the swarm's ETA zero);
 * a peer's samples count at most what its clipped rate could have produced since this
-  epoch began, plus ``plausibility_grace`` seconds' worth, and never more than the target
-  (so 1e18 samples claimed at once do not end the epoch);
+  peer saw the epoch begin (plus ``plausibility_grace`` seconds' worth, 0 by default),
+  and never more than the target. So a liar counts as at most ``rate_clip`` peers of
+  median speed: with 8 honest peers an epoch ends after at least 8/10 of the target's
+  honest samples, with 2 after 1/2. Honest peers are undercounted a little the same
+  way (one that moved to the epoch before us, one much faster than the median), which
+  only makes an epoch somewhat larger than ``target_batch_size``: every sample still
+  counts in the average, weighted by what each peer accumulated;
 * an epoch claimed by a peer whose claims were shown to be unbacked (no donor could serve
   a state that new, see :meth:`~.progress_tracker.ProgressTracker.distrust_epochs_above`)
   counts only up to our own epoch + 1.
@@ -91,10 +95,10 @@ class ProgressRules:
     default_refresh_period: float = 3.0
     expected_drift_peers: float = 3.0
     expected_drift_rate: float = 0.2
-    max_time_skew: float = 30.0
+    max_time_skew: float = 10.0
     max_extrapolation: float = 60.0
-    rate_clip: float = 4.0
-    plausibility_grace: float = 3.0
+    rate_clip: float = 2.0
+    plausibility_grace: float = 0.0
 
 
 def _lower_median(values: list[float]) -> float:
@@ -131,9 +135,8 @@ def aggregate_progress(
             claimed = min(claimed, local.epoch + 1)
         epoch = max(epoch, claimed)
 
-    rates = [record.samples_per_second for _, record in entries]
-    positive = [rate for rate in rates if rate > 0]
-    rate_cap = rules.rate_clip * _lower_median(positive) if positive else 0.0
+    # peers that measured no speed yet count as 0: a liar cannot be its own median
+    rate_cap = rules.rate_clip * _lower_median([r.samples_per_second for _, r in entries])
     elapsed = max(0.0, now - epoch_started_at)
 
     samples = 0
@@ -168,7 +171,10 @@ def aggregate_progress(
             num_peers + rules.expected_drift_peers, num_peers * (1 + rules.expected_drift_rate)
         )
         # Read again before enough newcomers could have finished the epoch unseen.
-        refresh = eta * num_peers / expected_max_peers if math.isfinite(eta) else math.inf
+        if math.isfinite(eta):
+            refresh = eta * num_peers / expected_max_peers
+        else:  # nobody measured a speed yet
+            refresh = rules.default_refresh_period
     refresh = min(max(refresh, rules.min_refresh_period), rules.max_refresh_period)
     return GlobalTrainingProgress(
         epoch=epoch,
