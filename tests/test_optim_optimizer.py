@@ -481,3 +481,117 @@ def test_state_dict_round_trip_keeps_the_epoch(one_dht):
         logging.getLogger(__name__).debug("%r", opt)
     finally:
         opt.shutdown()
+
+
+# ---------------------------------------------------------------------- parts and options
+
+
+def test_grad_averager_factory_builds_the_gradient_averager():
+    from swarmgrad.optim import GradientAverager
+
+    made = []
+
+    class CountingAverager(GradientAverager):
+        def accumulate_grads_(self, batch_size):
+            made.append(batch_size)
+            return super().accumulate_grads_(batch_size)
+
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [
+            make_optimizer(d, m, grad_averager_factory=CountingAverager)
+            for d, m in zip(dhts, models, strict=True)
+        ]
+        try:
+            assert all(isinstance(o.grad_averager, CountingAverager) for o in opts)
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=2)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            assert made and max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
+        finally:
+            shutdown_all(*opts)
+
+
+def test_joiner_downloads_extra_tensors_and_optimizer_state():
+    with dht_swarm(2) as dhts:
+        model = make_model(0)
+        extra = torch.arange(5, dtype=torch.float32)
+        donor = make_optimizer(
+            dhts[0],
+            model,
+            extra_tensors=[extra],
+            optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+        )
+        joiner = None
+        try:
+            donor_trainer = Trainer(donor, model, seed=0, until_epoch=2)
+            donor_trainer.start()
+            donor_trainer.result()
+            extra.mul_(3)  # changed by the donor since: the joiner must get these values
+            joiner_model = make_model(5)
+            joiner_extra = torch.zeros(5)
+            joiner = make_optimizer(
+                dhts[1],
+                joiner_model,
+                extra_tensors=[joiner_extra],
+                optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+            )
+            joiner.load_state_from_peers()
+            assert joiner.local_epoch == donor.local_epoch == 2
+            assert torch.equal(joiner_extra, extra)
+            assert max_difference(snapshot(joiner_model), snapshot(model)) < 1e-6
+            donor_state, joiner_state = donor.opt.state, joiner.opt.state
+            for mine, theirs in zip(
+                donor.opt.param_groups[0]["params"],
+                joiner.opt.param_groups[0]["params"],
+                strict=True,
+            ):
+                assert torch.equal(
+                    donor_state[mine]["exp_avg_sq"], joiner_state[theirs]["exp_avg_sq"]
+                )
+                assert float(donor_state[mine]["step"]) == float(joiner_state[theirs]["step"]) > 0
+        finally:
+            shutdown_all(donor, *([joiner] if joiner else []))
+
+
+def test_grad_scaler_with_reused_buffers_unscales_once_per_epoch(one_dht):
+    """A lone peer with reuse_grad_buffers and a GradScaler (scale 1024) ends each epoch
+    with the same parameters as without scaling: the accumulated gradients are unscaled
+    exactly once."""
+    from swarmgrad.optim import GradScaler
+
+    results = []
+    for use_scaler in (False, True):
+        model = make_model(0)
+        opt = make_optimizer(
+            one_dht,
+            model,
+            run_id=f"amp{use_scaler}",
+            reuse_grad_buffers=True,
+            target_batch_size=32,
+            offload_optimizer=False,
+        )
+        scaler = GradScaler("cpu", init_scale=1024.0) if use_scaler else None
+        generator = torch.Generator().manual_seed(0)
+        from tests.optim_helpers import batch
+
+        try:
+            while opt.local_epoch < 2:
+                x, y = batch(generator)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    opt.step()
+            results.append(snapshot(model))
+        finally:
+            opt.shutdown()
+    assert max_difference(results[0], snapshot(make_model(0))) > 1e-4
+    assert max_difference(results[0], results[1]) < 1e-5

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,7 +86,11 @@ class GradScaler(torch.amp.GradScaler):
                     optimizer.step(*args, **kwargs)
                 self._ready_to_update = True
                 return True
-        result = super().step(optimizer, *args, **kwargs)
+        with warnings.catch_warnings():
+            # torch announces it will stop passing itself as grad_scaler= to optimizers
+            # that handle scaling; ours takes it, and will read the new attributes then
+            warnings.filterwarnings("ignore", "GradScaler is going to stop", FutureWarning)
+            result = super().step(optimizer, *args, **kwargs)
         self._states_to_reset.add(id(optimizer))
         return result
 
