@@ -147,6 +147,9 @@ def test_epoch_claimed_far_ahead_cannot_stall_the_swarm():
             for t in trainers:
                 t.result()  # raises TimeoutError if the lie stalled them
             assert all(o.local_epoch >= 3 for o in opts)
+            for epoch in (1, 2):  # nor rushed: each epoch still takes the target's samples
+                honest = sum(8 for t in trainers for e, _, _ in t.batches if e == epoch)
+                assert honest >= 64 * 0.75, (epoch, honest)
             assert len(loads) <= 4, "each peer downloads at most a couple of times, not forever"
             assert all(o.tracker.global_epoch < 10**6 for o in opts)
         finally:

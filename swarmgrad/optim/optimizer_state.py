@@ -79,6 +79,10 @@ def load_optimizer_state_(
     if not isinstance(metadata, dict) or not isinstance(metadata.get("layout"), list):
         raise ValidationError("the optimizer state metadata is malformed (no layout)")
     layout, values = metadata["layout"], metadata.get("values", [])
+    if not all(isinstance(entry, list) for entry in layout) or not isinstance(values, list):
+        raise ValidationError(
+            "the optimizer state metadata is malformed (layout entries and values must be lists)"
+        )
     expected = [[i, k, "tensor" if isinstance(v, torch.Tensor) else "value"] for i, k, v in ours]
     shareable = [e for e, (_, _, v) in zip(expected, ours, strict=True) if _shareable(v)]
     if [list(entry) for entry in layout] != shareable:
@@ -112,7 +116,7 @@ def load_optimizer_state_(
         for group, theirs in zip(optimizer.param_groups, groups, strict=True):
             if isinstance(theirs, dict):
                 for key, value in theirs.items():
-                    if key in group and key != "params" and _plain_number_or_same(value):
+                    if key in group and key != "params" and _same_kind(group[key], value):
                         group[key] = value
 
 
@@ -120,10 +124,14 @@ def _shareable(value: Any) -> bool:
     return isinstance(value, torch.Tensor | numbers.Number | str | bool) or value is None
 
 
-def _plain_number_or_same(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    return isinstance(value, _GROUP_SCALARS)
+def _same_kind(ours: Any, theirs: Any) -> bool:
+    """A peer's hyperparameter is taken only where both are plain finite numbers (an lr
+    changed by the scheduler), never flags or other types."""
+    if isinstance(ours, bool) or isinstance(theirs, bool):
+        return False
+    if not (isinstance(ours, int | float) and isinstance(theirs, int | float)):
+        return False
+    return not isinstance(theirs, float) or math.isfinite(theirs)
 
 
 @torch.no_grad()
@@ -136,11 +144,19 @@ def initialize_optimizer_state_(optimizer: torch.optim.Optimizer) -> None:
     if all(optimizer.state.get(p) for p in params):
         return
     saved = [(p, p.detach().clone(), p.grad) for p in params]
+    # weight decay would turn the zero gradient into wd * p and leave it in the moments
+    decays = [group.get("weight_decay") for group in optimizer.param_groups]
     for param in params:
         param.grad = torch.zeros_like(param)
     try:
+        for group in optimizer.param_groups:
+            if "weight_decay" in group:
+                group["weight_decay"] = 0.0
         optimizer.step()
     finally:
+        for group, decay in zip(optimizer.param_groups, decays, strict=True):
+            if "weight_decay" in group:
+                group["weight_decay"] = decay
         for param, value, grad in saved:
             param.copy_(value)
             param.grad = grad

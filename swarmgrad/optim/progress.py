@@ -27,7 +27,7 @@ hostile peer may publish absurd figures. What a single record says has a bounded
   counts in the average, weighted by what each peer accumulated;
 * an epoch claimed by a peer whose claims were shown to be unbacked (no donor could serve
   a state that new, see :meth:`~.progress_tracker.ProgressTracker.distrust_epochs_above`)
-  counts only up to our own epoch + 1.
+  counts only up to our own epoch: such a peer can no longer move us.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def aggregate_progress(
             continue  # client peers share no state: their epoch cannot be caught up with
         claimed = record.epoch
         if key in distrusted:
-            claimed = min(claimed, local.epoch + 1)
+            claimed = min(claimed, local.epoch)  # it may not pull us anywhere
         epoch = max(epoch, claimed)
 
     # peers that measured no speed yet count as 0: a liar cannot be its own median
@@ -145,7 +145,7 @@ def aggregate_progress(
     for key, record in entries:
         rate = min(record.samples_per_second, rate_cap)
         total_rate += rate
-        if record.epoch != epoch or (key in distrusted and record.epoch > local.epoch + 1):
+        if record.epoch != epoch:
             continue
         counted = float(record.samples_accumulated)
         if key != local_key:

@@ -221,7 +221,7 @@ class ProgressTracker:
     def distrust_epochs_above(self, epoch: int) -> None:
         """No donor could serve a state newer than ``epoch``: peers that claim an epoch
         beyond ``epoch + 1`` made it up (or serve no state). From now on their claims
-        count only up to our own epoch + 1, so they cannot keep us downloading state."""
+        count only up to our own epoch, so they cannot keep us downloading state."""
         with self._lock:
             records = self._last_records
             liars = {key for key, r in records.items() if r.epoch > epoch + 1}
@@ -284,7 +284,7 @@ class ProgressTracker:
                 self.global_progress.epoch = new_epoch
                 self.global_progress.samples_accumulated = 0
                 self.global_progress.eta_next_epoch = math.inf
-            if new_epoch > self._epoch_began[0]:
+            if new_epoch != self._epoch_began[0]:
                 self._epoch_began = (new_epoch, get_dht_time())
         self.report_local_progress(new_epoch, 0)
         self.fetched_global_progress_this_epoch.clear()
@@ -398,7 +398,8 @@ class ProgressTracker:
                 distrusted=frozenset(self._distrusted),
                 rules=self.rules,
             )
-            if self.global_progress.epoch > self._epoch_began[0]:
+            if self.global_progress.epoch != self._epoch_began[0]:
+                # a new epoch (or the end of a believed lie): samples count from now
                 self._epoch_began = (self.global_progress.epoch, get_dht_time())
         self.fetched_global_progress_this_epoch.set()
         progress = self.global_progress
