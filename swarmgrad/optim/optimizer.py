@@ -582,9 +582,13 @@ class Optimizer(torch.optim.Optimizer):
                 self.run_id,
                 len(gathered),
             )
-            self._use_averaged_gradients()
         else:
-            self._load_local_gradients()
+            # The buffers hold this peer's mean gradient (loaded before the round began),
+            # or whole spans of the average where a failed round got that far: either is
+            # a fair gradient. Not reloaded from the accumulators, which may already hold
+            # the next epoch's gradients when this runs in the background.
+            logger.log(self.status_loglevel, "%s: proceeding with local gradients", self.run_id)
+        self._use_averaged_gradients()
 
     def _use_averaged_gradients(self) -> None:
         """Put the averaged gradients where the optimizer reads them."""
