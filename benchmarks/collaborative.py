@@ -24,6 +24,7 @@ JSON keys: ``efficiency``, ``hivemind_efficiency`` (or null), ``loss_ratio_vs_si
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -53,6 +54,7 @@ class Worker:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            start_new_session=True,  # stop() kills its whole group (hivemind forks helpers)
         )
         self.events: queue.Queue = queue.Queue()
         self.epochs: dict[int, dict] = {}
@@ -106,9 +108,16 @@ class Worker:
         return self.epochs[epoch]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
+        """SIGKILL the worker and every process it started (hivemind's DHT and averagers
+        are child processes that would otherwise keep running and take the CPU)."""
+        kill_group(self.process)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL a process started with ``start_new_session`` and all it started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(10)
 
 
 def start_swarm(python: str, count: int, common: list[str], bootstrap: str) -> list[Worker]:
@@ -133,11 +142,13 @@ def bootstrap_peer(python: str, impl: str) -> tuple[subprocess.Popen, str]:
         "time.sleep(3600)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(HERE.parent))
-    process = subprocess.Popen([python, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    process = subprocess.Popen(
+        [python, "-c", code], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     assert process.stdout is not None
     address = process.stdout.readline().strip()
     if not address:
-        process.kill()
+        kill_group(process)
         raise RuntimeError(f"the {impl} bootstrap peer did not start")
     return process, address
 
@@ -206,8 +217,7 @@ def measure_efficiency(python: str, impl: str, args) -> dict:
     finally:
         for worker in workers:
             worker.stop()
-        bootstrap.kill()
-        bootstrap.wait(10)
+        kill_group(bootstrap)
 
 
 def measure_convergence(python: str, args) -> dict:
@@ -248,8 +258,7 @@ def measure_convergence(python: str, args) -> dict:
         finally:
             for worker in workers:
                 worker.stop()
-            bootstrap.kill()
-            bootstrap.wait(10)
+            kill_group(bootstrap)
 
     (train_x, train_y), (test_x, test_y) = digits_split()
     single_losses, single_accs = [], []
@@ -338,8 +347,7 @@ def measure_churn(python: str, args) -> dict:
         finally:
             for worker in workers:
                 worker.stop()
-            bootstrap.kill()
-            bootstrap.wait(10)
+            kill_group(bootstrap)
 
 
 def hivemind_python() -> str | None:

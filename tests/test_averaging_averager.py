@@ -16,7 +16,7 @@ from swarmgrad.averaging.allreduce import GroupMismatch
 from swarmgrad.averaging.averager import DecentralizedAverager
 from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager
 from swarmgrad.averaging.moshpit_sim import build_dht_swarm
-from swarmgrad.averaging.step_control import AveragingStage
+from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import Float16Compression
 from swarmgrad.dht import DHT
 from swarmgrad.net.sim import run_simulation
@@ -114,6 +114,33 @@ def test_four_peers_reach_the_exact_mean_and_get_everyones_gather():
     for ts in sets:
         assert_close(ts, expected)
         assert [t.dtype for t in ts] == [torch.float32, torch.float64, torch.float16]
+
+
+def test_rounds_with_different_tags_never_meet():
+    """Tagged steps (the optimizer tags gradient rounds with their epoch) group only with
+    steps of the same tag, even when all four peers look for a group at once."""
+    sets = [tensors_of(40 + i) for i in range(4)]
+    tags = ["epoch1", "epoch1", "epoch2", "epoch2"]
+    pairs = [mean_of(snapshot(sets[:2])), mean_of(snapshot(sets[2:]))]
+
+    async def main(network):
+        nodes, avgs = await start_swarm(network, sets, min_group_size=2)
+        results = await asyncio.gather(
+            *(
+                a.step(gather=i, timeout=20, control=a.new_control(round_tag=tag))
+                for i, (a, tag) in enumerate(zip(avgs, tags, strict=True))
+            )
+        )
+        await stop(nodes, avgs)
+        return results
+
+    results = simulate(main)
+    assert [sorted(r.values()) for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for i, ts in enumerate(sets):
+        assert_close(ts, pairs[i // 2])
+    for bad, reason in (("epoch 1", "letters, digits"), ("x" * 65, "limited to 64"), (3, "a str")):
+        with pytest.raises(ValidationError, match=reason):
+            StepControl(scheduled_time=0.0, weight=1.0, round_tag=bad)
 
 
 def test_weights_and_averaging_alpha():

@@ -17,6 +17,7 @@ from swarmgrad.dht import protocol
 from swarmgrad.dht.node import DHTNode, serialize
 from swarmgrad.dht.protocol import StoreItem
 from swarmgrad.dht.routing import DHTID
+from swarmgrad.dht.validation import DHTRecord, RecordValidatorBase
 from swarmgrad.net.peer import MAX_ADDRESSES_PER_PEER, Peer
 from swarmgrad.utils.errors import RemoteError
 from swarmgrad.utils.timeutils import get_dht_time
@@ -216,5 +217,44 @@ def test_ping_with_huge_address_lists_learns_at_most_a_few(arun):
         await asyncio.sleep(0)
         await well_behaved_round_trip(attacker, addr, "after-ping")
         await stop(node, attacker)
+
+    arun(main)
+
+
+class _RefusesForged(RecordValidatorBase):
+    """Believes every record except those whose value is ``"forged"``."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        return record.value != serialize("forged")
+
+
+def test_a_forged_subkey_stored_by_a_lax_node_hides_no_honest_entry(arun):
+    """A node that checks nothing may hold a dictionary mixing honest entries with a forged
+    one; a reader that validates drops that entry only, not the whole dictionary."""
+
+    async def main():
+        lax, attacker, addr = await node_and_attacker()
+        reader = await DHTNode.create(
+            await Peer.create(), [addr], record_validator=_RefusesForged()
+        )
+        key, exp = serialize("run_progress"), get_dht_time() + 60
+        items = [
+            StoreItem(key, serialize("alice"), serialize({"epoch": 3}), exp),
+            StoreItem(key, serialize("mallory"), serialize("forged"), exp + 1),
+            StoreItem(key, serialize("bob"), serialize({"epoch": 4}), exp),
+        ]
+        assert await remote_store(attacker, addr, items) == [None, None, None]
+        found = await reader.get("run_progress", latest=True)
+        assert found is not None
+        assert {sub: v.value for sub, v in found.value.items()} == {
+            "alice": {"epoch": 3},
+            "bob": {"epoch": 4},
+        }
+        only_forged = [StoreItem(serialize("lonely"), serialize("m"), serialize("forged"), exp)]
+        assert await remote_store(attacker, addr, only_forged) == [None]
+        assert await reader.get("lonely", latest=True) is None  # nothing valid: absent
+        await reader.shutdown()
+        await reader.peer.shutdown()
+        await stop(lax, attacker)
 
     arun(main)

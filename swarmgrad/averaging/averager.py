@@ -370,6 +370,7 @@ class DecentralizedAverager:
         allow_retries: bool = True,
         require_trigger: bool = False,
         wait: bool = True,
+        round_tag: str = "",
     ) -> dict[PeerID, Any] | StepControl | None:
         """Average once with a group of peers.
 
@@ -383,8 +384,11 @@ class DecentralizedAverager:
 
         ``wait=False`` returns a :class:`~.step_control.StepControl` future at once; with
         ``require_trigger=True`` the all-reduce then waits for
-        ``control.allow_allreduce()`` once the group is formed. A ``GroupMismatch``
-        error means this peer's tensors differ from its group's.
+        ``control.allow_allreduce()`` once the group is formed. ``round_tag`` (letters,
+        digits, '_', '-'; not in hivemind) makes this step meet only peers whose step has
+        the same tag: the collaborative optimizer tags gradient rounds with the epoch, so
+        a peer that finishes an epoch late never mixes its gradients into the next one. A
+        ``GroupMismatch`` error means this peer's tensors differ from its group's.
         """
         if require_trigger and wait:
             raise ValidationError(
@@ -392,7 +396,7 @@ class DecentralizedAverager:
                 "that this thread waits for"
             )
         core = self._running()
-        control = core.new_control(scheduled_time, weight, require_trigger)
+        control = core.new_control(scheduled_time, weight, require_trigger, round_tag)
         inner = run_coroutine_future(
             core.step(gather, timeout=timeout, allow_retries=allow_retries, control=control)
         )

@@ -364,6 +364,7 @@ class AsyncDecentralizedAverager:
         scheduled_time: float | None = None,
         weight: float | None = None,
         require_trigger: bool = False,
+        round_tag: str = "",
     ) -> StepControl:
         """A StepControl with this averager's defaults (safe from any thread)."""
         if scheduled_time is None:
@@ -375,7 +376,10 @@ class AsyncDecentralizedAverager:
                 f"an auxiliary peer contributes nothing: weight must be 0, not {weight}"
             )
         return StepControl(
-            scheduled_time=scheduled_time, weight=weight, require_trigger=require_trigger
+            scheduled_time=scheduled_time,
+            weight=weight,
+            require_trigger=require_trigger,
+            round_tag=round_tag,
         )
 
     async def step(
@@ -478,7 +482,10 @@ class AsyncDecentralizedAverager:
             gather=gather,
         )
         group = await self.matchmaking.look_for_group(
-            data_for_gather=data, timeout=window, scheduled_time=control.scheduled_time
+            data_for_gather=data,
+            timeout=window,
+            scheduled_time=control.scheduled_time,
+            round_tag=control.round_tag,
         )
         if group is None:
             logger.debug("%s: no group found under %s", self, self.prefix)

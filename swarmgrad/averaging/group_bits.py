@@ -34,6 +34,7 @@ from swarmgrad.utils.errors import ValidationError
 __all__ = [
     "bits_per_axis_for",
     "bits_to_coordinates",
+    "check_round_tag",
     "coordinate_of_rank",
     "coordinates_to_bits",
     "group_key",
@@ -42,6 +43,7 @@ __all__ = [
     "random_group_bits",
     "rotation",
     "shift_in",
+    "tagged_group_key",
     "validate_group_bits",
 ]
 
@@ -67,6 +69,32 @@ def group_key(prefix: str, bits: str) -> str:
     if not isinstance(prefix, str) or not prefix:
         raise ValidationError(f"the averaging prefix must be a non-empty str, got {prefix!r}")
     return f"{prefix}.0b{validate_group_bits(bits)}"
+
+
+MAX_ROUND_TAG = 64
+_ROUND_TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def check_round_tag(tag: object) -> str:
+    """Return ``tag`` if it may name a round: up to 64 letters, digits, '_' or '-' (''
+    for untagged rounds); else ValidationError naming what is wrong."""
+    if not isinstance(tag, str):
+        raise ValidationError(f"round_tag must be a str, got {type(tag).__name__}")
+    if len(tag) > MAX_ROUND_TAG:
+        raise ValidationError(f"round_tag is limited to {MAX_ROUND_TAG} characters, got {len(tag)}")
+    bad = set(tag) - _ROUND_TAG_CHARS
+    if bad:
+        raise ValidationError(
+            f"round_tag {tag[:40]!r} may contain only letters, digits, '_' and '-', "
+            f"found {sorted(bad)}"
+        )
+    return tag
+
+
+def tagged_group_key(key: str, round_tag: str) -> str:
+    """The group key of a tagged round: peers meet only peers with the same tag (a
+    training epoch, say, so that gradients of different epochs are never averaged)."""
+    return f"{key}.{check_round_tag(round_tag)}" if round_tag else key
 
 
 def bits_per_axis_for(target_group_size: int) -> int:

@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarmgrad.averaging.group_bits import tagged_group_key
 from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.key_manager import MAX_MADDRS, Declaration, GroupKeyManager
 from swarmgrad.dht.node import DHTNode
@@ -268,13 +269,16 @@ class Matchmaking:
         data_for_gather: bytes = b"",
         timeout: float,
         scheduled_time: float | None = None,
+        round_tag: str = "",
     ) -> GroupInfo | None:
         """Find a group under the current group key within ``timeout`` seconds.
 
         ``data_for_gather`` reaches every member in ``GroupInfo.gathered``.
         ``scheduled_time`` (DHT time) is when this peer, as a leader, starts its group;
-        default: ``min_matchmaking_time`` from now. On success the group bits move to the
-        next Moshpit axis before the GroupInfo is returned."""
+        default: ``min_matchmaking_time`` from now. ``round_tag`` (see
+        :func:`~.group_bits.tagged_group_key`) restricts the group to peers with the same
+        tag. On success the group bits move to the next Moshpit axis before the GroupInfo
+        is returned."""
         if self._closed:
             raise SwarmgradError(f"matchmaking for {self.prefix!r} is shut down")
         if self._search is not None:
@@ -291,7 +295,8 @@ class Matchmaking:
                 f"data_for_gather is {len(data)} bytes, over the limit of {self.max_gather_bytes}"
             )
         loop = asyncio.get_running_loop()
-        search = _Search(self.key_manager.current_key, data, loop.time() + timeout)
+        key = tagged_group_key(self.key_manager.current_key, round_tag)
+        search = _Search(key, data, loop.time() + timeout)
         self._search = search
         try:
             group = await self._run(search, scheduled_time)

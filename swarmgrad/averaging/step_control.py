@@ -30,6 +30,7 @@ import threading
 from typing import Any
 
 from swarmgrad.averaging.allreduce import MAX_WEIGHT
+from swarmgrad.averaging.group_bits import check_round_tag
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["AveragingStage", "StepControl"]
@@ -60,6 +61,7 @@ class StepControl(concurrent.futures.Future):
     it. ``weight`` may be changed until the all-reduce begins. With
     ``require_trigger=True`` the step forms a group and then waits for
     :meth:`allow_allreduce` (until the step's deadline) before averaging.
+    ``round_tag``: the step meets only peers whose step has the same tag.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class StepControl(concurrent.futures.Future):
         scheduled_time: float,
         weight: float,
         require_trigger: bool = False,
+        round_tag: str = "",
     ):
         super().__init__()
         if not isinstance(scheduled_time, int | float) or not math.isfinite(scheduled_time):
@@ -75,6 +78,7 @@ class StepControl(concurrent.futures.Future):
         self._scheduled_time = float(scheduled_time)
         self._weight = check_weight(weight)
         self.require_trigger = bool(require_trigger)
+        self.round_tag = check_round_tag(round_tag)
         self._stage = AveragingStage.IDLE
         self._state_lock = threading.Lock()
         self._triggered = False

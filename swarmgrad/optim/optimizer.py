@@ -543,8 +543,12 @@ class Optimizer(torch.optim.Optimizer):
                 grad_scaler.unscale_(self)
         control = self.scheduled_grads
         self.scheduled_grads = None
+        tag = self._gradient_round_tag()
         if control is not None and (control.triggered or control.done()):
             control = None  # used up (e.g. by a state download meanwhile)
+        if control is not None and control.round_tag != tag:
+            control.cancel()  # scheduled for an epoch this peer has left (a download)
+            control = None
         if self.tracker.global_progress.num_peers <= 1:
             if control is not None:
                 control.cancel()
@@ -555,6 +559,7 @@ class Optimizer(torch.optim.Optimizer):
                 reset_accumulators=False,
                 wait=False,
                 timeout=self.averaging_timeout,
+                **({} if control is not None else {"round_tag": tag}),
             )
         except Exception as e:
             logger.warning("%s: could not start averaging gradients: %r", self.run_id, e)
@@ -620,8 +625,16 @@ class Optimizer(torch.optim.Optimizer):
         if control is None or control.triggered or control.done():
             eta = max(eta, self.grad_averager._options["min_matchmaking_time"])
             self.scheduled_grads = self.grad_averager.schedule_step(
-                scheduled_time=get_dht_time() + eta, timeout=self.averaging_timeout
+                scheduled_time=get_dht_time() + eta,
+                timeout=self.averaging_timeout,
+                round_tag=self._gradient_round_tag(),
             )
+
+    def _gradient_round_tag(self) -> str:
+        """Gradients of one epoch are averaged only with gradients of the same epoch: a
+        peer that ends an epoch after the others moved on (a late joiner, a slow peer)
+        would otherwise join their next round and mix stale gradients into it."""
+        return f"epoch{self.local_epoch}"
 
     def _maybe_schedule_state_averaging(self) -> None:
         """Likewise for the state round of the coming epoch, if it averages the state."""
@@ -691,6 +704,16 @@ class Optimizer(torch.optim.Optimizer):
                     time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
                     continue
                 if loaded is None:
+                    if self.tracker.peers_ahead_of(self.local_epoch, timeout=remaining) == 0:
+                        # those we were behind have left (a goodbye, or their records
+                        # expired): there is nothing newer to wait for
+                        logger.log(
+                            self.status_loglevel,
+                            "%s: no donor answered and no peer is ahead any more; "
+                            "continuing from our own state",
+                            self.run_id,
+                        )
+                        break
                     logger.log(self.status_loglevel, "%s: no donor answered", self.run_id)
                     time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
                     continue

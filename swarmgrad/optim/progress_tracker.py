@@ -295,6 +295,23 @@ class ProgressTracker:
         run_coroutine(self._fetch_once(), timeout=timeout)
         return self.global_progress
 
+    def peers_ahead_of(self, epoch: int, timeout: float | None = None) -> int:
+        """Read the swarm now and count the other peers whose live records claim an epoch
+        beyond ``epoch`` (distrusted peers and records from the future left out). Works
+        inside :meth:`pause_updates`: it is how a peer that cannot find a donor learns
+        that the peers it was trying to catch up with have left."""
+        run_coroutine(self._fetch_once(), timeout=timeout)
+        horizon = get_dht_time() + self.rules.max_time_skew
+        with self._lock:
+            return sum(
+                1
+                for key, record in self._last_records.items()
+                if key != self._local_public_key
+                and key not in self._distrusted
+                and record.epoch > epoch
+                and record.time <= horizon
+            )
+
     def request_fetch(self) -> None:
         """Read the swarm's progress now rather than at the next scheduled time."""
         self._set_soon("_fetch_now")
