@@ -104,11 +104,12 @@ def main() -> None:
         return float(loss.detach())
 
     # the solo step time: what this peer does per step with no swarm at all
-    began = time.perf_counter()
-    for _ in range(5):
-        compute()
-        model.zero_grad(set_to_none=True)
-    solo_step = (time.perf_counter() - began) / 5
+    for timed in (False, True):  # 2 warm-up steps (allocations), then 10 timed ones
+        began = time.perf_counter()
+        for _ in range(10 if timed else 2):
+            compute()
+            model.zero_grad(set_to_none=True)
+    solo_step = (time.perf_counter() - began) / 10
 
     dht = hivemind.DHT(initial_peers=args.initial_peers, start=True)
     opt = hivemind.Optimizer(

@@ -63,6 +63,7 @@ class Worker:
         log_dir = os.environ.get("COLLAB_LOG_DIR")
         self.log = None
         if log_dir:  # COLLAB_LOG_DIR=dir (and COLLAB_VERBOSE=1): each worker's log there
+            os.makedirs(log_dir, exist_ok=True)
             self.log = open(os.path.join(log_dir, f"{self.process.pid}.log"), "w")
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
