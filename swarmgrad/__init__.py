@@ -51,6 +51,7 @@ _LAZY = {
     "DecentralizedAverager": "swarmgrad.averaging",
     "GossipAverager": "swarmgrad.averaging",
     "Optimizer": "swarmgrad.optim",
+    "DiLoCoOptimizer": "swarmgrad.optim",
     "GradScaler": "swarmgrad.optim",
     "ProgressTracker": "swarmgrad.optim",
     "GradientAverager": "swarmgrad.optim",

@@ -1,6 +1,8 @@
-"""Collaborative training: progress tracking, gradient and state averagers, and the
-``Optimizer`` that trains one model across the swarm (DeDLOC)."""
+"""Collaborative training: progress tracking, gradient and state averagers, the
+``Optimizer`` that trains one model across the swarm (DeDLOC), and ``DiLoCoOptimizer``
+for slow links (DiLoCo, Streaming DiLoCo)."""
 
+from swarmgrad.optim.diloco import DiLoCoOptimizer
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
 from swarmgrad.optim.optimizer import Optimizer
@@ -15,6 +17,7 @@ from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
 
 __all__ = [
+    "DiLoCoOptimizer",
     "GlobalTrainingProgress",
     "GradScaler",
     "GradientAverager",

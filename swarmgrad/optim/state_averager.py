@@ -466,6 +466,11 @@ class TrainingStateAverager(DecentralizedAverager):
 
         return apply
 
+    def state_lock(self) -> contextlib.AbstractContextManager:
+        """Hold this while changing the parameters or the optimizer from outside
+        :meth:`step` (a joiner's download reads them under the same lock)."""
+        return self._state_lock
+
     def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any) -> StepControl:
         """Begin matchmaking for a state averaging round released by a later
         :meth:`step` (``averaging_control=``)."""

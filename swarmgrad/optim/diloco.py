@@ -1,0 +1,658 @@
+"""``DiLoCoOptimizer``: train across slow links by averaging rarely (DiLoCo, Streaming DiLoCo).
+
+Every peer trains its own copy of the model with an *inner* optimizer (AdamW, say) for
+many steps without talking to anyone. At each *outer step* the peers average their
+pseudo-gradients, ``theta_sync - theta_local`` (how far each one moved since the last
+sync), and an *outer* optimizer (Nesterov SGD by default) applies the average to
+``theta_sync``; everyone continues from the result. With H inner steps per sync the
+swarm talks H times less often than gradient averaging would (DiLoCo, Douillard et al.
+2023; OpenDiLoCo ran it over hivemind).
+
+::
+
+    opt = swarmgrad.DiLoCoOptimizer(
+        dht=dht, run_id="lm", batch_size=32, num_inner_steps=500,
+        inner_optimizer=lambda params: torch.optim.AdamW(params, lr=4e-4),
+        outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9,
+                                                       nesterov=True),
+        params=model.parameters())
+    for batch in data:
+        loss_fn(model, batch).backward()
+        opt.step()          # an inner step; every ~500 steps per peer: the outer step
+        opt.zero_grad()
+
+**When the swarm syncs.** Peers may run at different speeds, so "every H steps" is
+counted for the swarm: the outer step comes when the swarm has processed
+``num_inner_steps x batch_size x (number of peers)`` samples since the last one (each peer
+did H steps on average; faster peers did more and weigh more), or, with
+``target_batch_size``, that many samples. The epoch clock is the
+:class:`~.progress_tracker.ProgressTracker`'s, as for :class:`~.optimizer.Optimizer`,
+so all peers sync at once: a round that waited for stragglers would stall the fast.
+
+**Streaming** (``num_fragments=F > 1``, Streaming DiLoCo, Douillard et al. 2025): the
+parameters are cut into F fragments of similar size; fragment f is synchronised when the
+epoch is ``(f + 1) / F`` done, in the background while inner steps go on, so that the
+swarm's peak bandwidth is about F times lower. When a fragment's round finishes, the
+outer step is applied to that fragment and the result is merged into the model as
+``alpha x local + (1 - alpha) x synced`` (``fragment_merge_alpha``; the inner steps made
+meanwhile are kept in the local part).
+
+**Compression.** ``grad_compression`` encodes the pseudo-gradients on the wire (e.g.
+:class:`~swarmgrad.compression.Uniform8BitQuantization`). A lossy codec loses the
+rounding error only for one round: it is kept and added to the next pseudo-gradient
+(error feedback), so nothing is lost over time.
+
+**Joiners and failures.** The synced parameters, the outer optimizer's state and the
+epoch are shared with joiners (:class:`~.state_averager.TrainingStateAverager`); a peer
+that finds itself behind the swarm downloads them (its inner progress since its last
+sync is dropped). Rounds are tagged with the epoch and fragment, so pseudo-gradients of
+different syncs never meet. A round that fails (a peer died mid-round) leaves every span
+either averaged or this peer's own; a round that finds nobody uses this peer's own
+pseudo-gradient. A pseudo-gradient with NaN or Inf values is not sent: this peer takes
+the others' average (weight 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from swarmgrad.averaging.averager import DecentralizedAverager
+from swarmgrad.averaging.step_control import StepControl
+from swarmgrad.compression import CompressionBase, NoCompression
+from swarmgrad.compression.base import CompressionInfo
+from swarmgrad.dht.dht import DHT
+from swarmgrad.optim.optimizer_state import optimizer_parameters
+from swarmgrad.optim.progress_tracker import ProgressTracker
+from swarmgrad.optim.state_averager import TrainingStateAverager
+from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.timeutils import get_dht_time
+
+__all__ = ["DiLoCoOptimizer", "split_into_fragments"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def split_into_fragments(sizes: Sequence[int], num_fragments: int) -> list[list[int]]:
+    """Cut parameters (in model order, by element count) into ``num_fragments`` runs of
+    consecutive parameters with similar total sizes; every fragment gets at least one."""
+    if num_fragments > len(sizes):
+        raise ValidationError(
+            f"num_fragments={num_fragments} is more than the model's {len(sizes)} parameter "
+            "tensors: every fragment needs at least one"
+        )
+    total = sum(sizes)
+    fragments: list[list[int]] = [[] for _ in range(num_fragments)]
+    done, current = 0, 0
+    for index, size in enumerate(sizes):
+        left_tensors = len(sizes) - index
+        left_fragments = num_fragments - current - 1
+        # move on once this fragment has its share, or when the rest need a tensor each
+        if fragments[current] and (
+            left_tensors <= left_fragments or done >= total * (current + 1) / num_fragments
+        ):
+            current += 1
+        fragments[current].append(index)
+        done += size
+    return fragments
+
+
+class _Fragment:
+    """One fragment: its parameters, its averager and its round in flight."""
+
+    def __init__(self, index: int, params: list[int], averager: DecentralizedAverager):
+        self.index, self.params, self.averager = index, params, averager
+        self.residuals: list[torch.Tensor] | None = None  # error feedback
+        self.scheduled: StepControl | None = None
+        self.running: StepControl | None = None  # launched, not applied yet
+        self.running_epoch = -1
+        self.synced_epoch = -1  # the last epoch whose round was launched
+
+
+class DiLoCoOptimizer(torch.optim.Optimizer):
+    """See the module docstring. Arguments: ``dht``, ``run_id`` (peers with the same id
+    train together), ``batch_size`` (samples per :meth:`step`), ``num_inner_steps`` (H),
+    ``inner_optimizer`` (a factory ``callable(params)`` with ``params``, or a ready
+    optimizer over the model's parameters), ``outer_optimizer`` (a factory over the
+    synced copy; default Nesterov SGD lr 0.7 momentum 0.9), ``params``, ``scheduler`` (a
+    factory ``callable(inner_optimizer)``, stepped at every inner step),
+    ``target_batch_size`` (sync every this many swarm samples instead of H x batch x
+    peers), ``num_fragments`` and ``fragment_merge_alpha`` (streaming),
+    ``grad_compression`` (pseudo-gradients on the wire), ``error_feedback`` (default:
+    when the codec is lossy), ``matchmaking_time``, ``averaging_timeout``,
+    ``load_state_timeout``, ``load_state_compression``, ``client_mode`` (default: the
+    DHT's), ``averager_opts``, ``tracker_opts``, ``verbose``.
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: DHT,
+        run_id: str,
+        batch_size: int,
+        num_inner_steps: int,
+        inner_optimizer: Any,
+        outer_optimizer: Callable[[Any], torch.optim.Optimizer] = default_outer_optimizer,
+        params: Any = None,
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        target_batch_size: int | None = None,
+        num_fragments: int = 1,
+        fragment_merge_alpha: float = 0.5,
+        grad_compression: CompressionBase = NoCompression(),
+        error_feedback: bool | None = None,
+        matchmaking_time: float = 15.0,
+        averaging_timeout: float = 60.0,
+        load_state_timeout: float = 600.0,
+        load_state_compression: CompressionBase = NoCompression(),
+        client_mode: bool | None = None,
+        averager_opts: dict | None = None,
+        tracker_opts: dict | None = None,
+        verbose: bool = False,
+    ):
+        for name, value in (("batch_size", batch_size), ("num_inner_steps", num_inner_steps)):
+            _check_positive_int(name, value)
+        _check_positive_int("num_fragments", num_fragments)
+        if target_batch_size is not None:
+            _check_positive_int("target_batch_size", target_batch_size)
+        if num_fragments > 1 and num_inner_steps < num_fragments:
+            raise ValidationError(
+                f"num_inner_steps={num_inner_steps} is fewer than num_fragments="
+                f"{num_fragments}: each fragment must sync at most once per inner step"
+            )
+        if not isinstance(fragment_merge_alpha, int | float) or not 0 <= fragment_merge_alpha < 1:
+            raise ValidationError(
+                f"fragment_merge_alpha must be in [0, 1), got {fragment_merge_alpha!r}"
+            )
+        for name, value in (
+            ("matchmaking_time", matchmaking_time),
+            ("averaging_timeout", averaging_timeout),
+            ("load_state_timeout", load_state_timeout),
+        ):
+            if not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(run_id, str) or not run_id:
+            raise ValidationError(f"run_id must be a non-empty str, got {run_id!r}")
+        if not dht.is_alive():
+            raise ValidationError("the DHT is not running: start it before the optimizer")
+        if not callable(outer_optimizer) or hasattr(outer_optimizer, "param_groups"):
+            raise ValidationError(
+                "outer_optimizer must be a factory, e.g. lambda params: torch.optim.SGD(params, "
+                "lr=0.7, momentum=0.9, nesterov=True): it works on the synced copy"
+            )
+        self.inner_optimizer = _make_inner_optimizer(inner_optimizer, params)
+        main_params = optimizer_parameters(self.inner_optimizer)
+        self.scheduler = None
+        if scheduler is not None:
+            try:
+                self.scheduler = scheduler(self.inner_optimizer)
+            except Exception as e:
+                raise ValidationError(
+                    f"the scheduler factory raised {type(e).__name__}: {e}"
+                ) from e
+
+        self.dht, self.run_id = dht, run_id
+        self.client_mode = dht.client_mode if client_mode is None else bool(client_mode)
+        self.batch_size, self.num_inner_steps = batch_size, num_inner_steps
+        self.fixed_target = target_batch_size
+        self.fragment_merge_alpha = float(fragment_merge_alpha)
+        self.matchmaking_time, self.averaging_timeout = float(matchmaking_time), averaging_timeout
+        self.load_state_timeout = float(load_state_timeout)
+        self.grad_compression = grad_compression
+        self.error_feedback = (
+            not isinstance(grad_compression, NoCompression)
+            if error_feedback is None
+            else bool(error_feedback)
+        )
+        self.status_loglevel = logging.INFO if verbose else logging.DEBUG
+        self.samples_since_sync = 0
+        self._closed = False
+        self._check_sync_on_next_update = True
+
+        averager_opts = dict(averager_opts or {})
+        self.tracker = ProgressTracker(
+            dht,
+            run_id,
+            self._target(1),
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **(tracker_opts or {}),
+        )
+        self.fragments: list[_Fragment] = []
+        try:
+            self.state_averager = TrainingStateAverager(
+                dht=dht,
+                prefix=f"{run_id}_outer_state",
+                optimizer=outer_optimizer,
+                params=main_params,
+                offload_optimizer=True,
+                custom_gradients=True,
+                state_compression=load_state_compression,
+                min_matchmaking_time=self.matchmaking_time,
+                status_loglevel=self.status_loglevel,
+                client_mode=self.client_mode,
+                start=True,
+                **averager_opts,
+            )
+            masters = optimizer_parameters(self.state_averager.optimizer)
+            sizes = [p.numel() for p in masters]
+            for index, members in enumerate(split_into_fragments(sizes, num_fragments)):
+                averager = DecentralizedAverager(
+                    [masters[i].grad for i in members],
+                    dht,
+                    prefix=f"{run_id}_outer_grads{index}",
+                    compression=grad_compression,
+                    min_matchmaking_time=self.matchmaking_time,
+                    client_mode=self.client_mode,
+                    allow_state_sharing=False,
+                    start=True,
+                    **averager_opts,
+                )
+                self.fragments.append(_Fragment(index, members, averager))
+        except BaseException:
+            self._shutdown_parts()
+            raise
+        self.main_parameters = tuple(main_params)
+        self._masters = tuple(optimizer_parameters(self.state_averager.optimizer))
+
+    # ------------------------------------------------------------------ torch API
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner_optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.inner_optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.inner_optimizer.defaults
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer:
+        return self.state_averager.optimizer
+
+    @property
+    def local_epoch(self) -> int:
+        """Outer steps taken (by this peer, and by the swarm when in sync)."""
+        return self.state_averager.local_epoch
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {
+            "inner": self.inner_optimizer.state_dict(),
+            "outer": self.outer_optimizer.state_dict(),
+            "synced": [m.detach().clone() for m in self._masters],
+            "epoch": self.local_epoch,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict) or not {"inner", "outer", "synced", "epoch"} <= set(
+            state_dict
+        ):
+            raise ValidationError(
+                "a DiLoCoOptimizer state_dict has the keys inner, outer, synced and epoch"
+            )
+        synced = state_dict["synced"]
+        if len(synced) != len(self._masters):
+            raise ValidationError(
+                f"the state_dict has {len(synced)} synced tensors, the model {len(self._masters)}"
+            )
+        for index, (mine, theirs) in enumerate(zip(self._masters, synced, strict=True)):
+            if mine.shape != theirs.shape:
+                raise ValidationError(
+                    f"parameter {index} is {list(theirs.shape)} in the state_dict but "
+                    f"{list(mine.shape)} here"
+                )
+        self.inner_optimizer.load_state_dict(state_dict["inner"])
+        self.outer_optimizer.load_state_dict(state_dict["outer"])
+        with torch.no_grad():
+            for mine, theirs in zip(self._masters, synced, strict=True):
+                mine.copy_(theirs)
+        self.state_averager.local_epoch = int(state_dict["epoch"])
+        with self.tracker.pause_updates():
+            self.tracker.update_epoch(new_epoch=self.local_epoch)
+
+    def is_synchronized_with_peers(self) -> bool:
+        return self.local_epoch >= self.tracker.global_epoch - 1
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None):
+        """One inner step; the outer step (or a fragment's sync) when the swarm is due."""
+        if self._closed:
+            raise ValidationError("this DiLoCoOptimizer was shut down")
+        if batch_size is not None:
+            _check_positive_int("batch_size", batch_size)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._apply_finished_fragments(wait=False)
+        if self._should_load_state_from_peers():
+            logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
+            self.load_state_from_peers()
+            return loss
+
+        self.inner_optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.samples_since_sync += batch_size or self.batch_size
+        self.tracker.report_local_progress(self.local_epoch, self.samples_since_sync)
+        self.tracker.target_batch_size = self._target(self.tracker.global_progress.num_peers)
+
+        progress = self._epoch_fraction()
+        for fragment in self.fragments[:-1]:  # streaming: the early fragments, in background
+            due = (fragment.index + 1) / len(self.fragments)
+            if fragment.synced_epoch < self.local_epoch:
+                if progress >= due:
+                    self._launch(fragment)
+                else:
+                    self._maybe_schedule(fragment, fraction=due)
+        self._maybe_schedule(self.fragments[-1], fraction=1.0)
+        if self.tracker.ready_to_update_epoch:
+            self._outer_step()
+        return loss
+
+    def _target(self, num_peers: int) -> int:
+        if self.fixed_target is not None:
+            return self.fixed_target
+        return self.num_inner_steps * self.batch_size * max(1, num_peers)
+
+    def _epoch_fraction(self) -> float:
+        if self.tracker.ready_to_update_epoch:
+            return 1.0
+        progress = self.tracker.global_progress
+        done = progress.samples_accumulated / max(1, self.tracker.target_batch_size)
+        return min(1.0, done)
+
+    def _maybe_schedule(self, fragment: _Fragment, fraction: float) -> None:
+        """Start matchmaking ``matchmaking_time`` before the fragment's sync is due."""
+        if fragment.scheduled is not None or fragment.synced_epoch >= self.local_epoch:
+            return
+        if fragment.running is not None:
+            return  # its previous round is still in flight
+        progress, target = self.tracker.global_progress, self.tracker.target_batch_size
+        to_epoch_end = max(0.0, self.tracker.estimated_next_update_time - get_dht_time())
+        remaining = max(0.0, fraction * target - progress.samples_accumulated)
+        left_in_epoch = max(1.0, target - progress.samples_accumulated)
+        eta = to_epoch_end * min(1.0, remaining / left_in_epoch)  # the swarm's speed is steady
+        if eta > self.matchmaking_time:
+            return
+        fragment.scheduled = fragment.averager.step(
+            scheduled_time=get_dht_time() + max(eta, 0.5),
+            require_trigger=True,
+            wait=False,
+            timeout=self.averaging_timeout,
+            round_tag=f"outer{self.local_epoch}f{fragment.index}",
+        )
+
+    def _launch(self, fragment: _Fragment) -> None:
+        """Write this fragment's pseudo-gradient and release its round (in the background)."""
+        if fragment.running is not None:
+            self._apply_fragment(fragment, fragment.running)
+        weight = self._write_pseudo_gradient(fragment)
+        control = fragment.scheduled
+        fragment.scheduled = None
+        tag = f"outer{self.local_epoch}f{fragment.index}"
+        if control is not None and (control.done() or control.round_tag != tag):
+            control.cancel()
+            control = None
+        fragment.synced_epoch = fragment.running_epoch = self.local_epoch
+        if self.tracker.global_progress.num_peers <= 1:
+            if control is not None:
+                control.cancel()
+            self._apply_fragment(fragment, control=None)  # alone: our own pseudo-gradient
+            return
+        if control is None:
+            control = fragment.averager.step(
+                scheduled_time=get_dht_time() + 0.5,
+                require_trigger=True,
+                wait=False,
+                timeout=self.averaging_timeout,
+                round_tag=tag,
+            )
+        control.weight = weight
+        control.allow_allreduce()
+        fragment.running = control
+
+    def _write_pseudo_gradient(self, fragment: _Fragment) -> float:
+        """master.grad = synced - local (+ the residual of the last lossy round); returns
+        this peer's weight (0 when the pseudo-gradient is not finite)."""
+        with torch.no_grad(), fragment.averager.get_tensors() as grads:
+            deltas = [
+                self._masters[i].detach() - self.main_parameters[i].detach().to("cpu")
+                for i in fragment.params
+            ]
+            if not all(bool(torch.isfinite(d).all()) for d in deltas):
+                logger.warning(
+                    "%s: this peer's pseudo-gradient has NaN or Inf values: it takes the "
+                    "others' average and contributes nothing",
+                    self.run_id,
+                )
+                for grad in grads:
+                    grad.zero_()
+                return 0.0
+            if self.error_feedback and fragment.residuals is not None:
+                for delta, residual in zip(deltas, fragment.residuals, strict=True):
+                    delta.add_(residual)
+            for grad, delta in zip(grads, deltas, strict=True):
+                grad.copy_(delta)
+            if self.error_feedback:
+                fragment.residuals = _compression_residuals(
+                    self.grad_compression, deltas, fragment.params
+                )
+        return float(self.samples_since_sync)
+
+    def _apply_finished_fragments(self, wait: bool) -> None:
+        for fragment in self.fragments:
+            if fragment.running is not None and (wait or fragment.running.done()):
+                self._apply_fragment(fragment, fragment.running)
+
+    def _apply_fragment(self, fragment: _Fragment, control: StepControl | None) -> None:
+        """Wait for the fragment's round (``control``; None: no round, alone), then the
+        outer step on the fragment and the merge into the model."""
+        fragment.running = None
+        gathered = None
+        if control is not None:
+            try:
+                gathered = control.result(self.averaging_timeout)
+            except BaseException as e:
+                logger.log(self.status_loglevel, "%s: averaging failed: %r", self.run_id, e)
+                if not control.done():
+                    control.cancel()
+        if gathered:
+            logger.log(
+                self.status_loglevel,
+                "%s: fragment %d of epoch %d averaged with %d peers",
+                self.run_id,
+                fragment.index,
+                fragment.running_epoch,
+                len(gathered),
+            )
+        else:
+            logger.log(
+                self.status_loglevel,
+                "%s: fragment %d of epoch %d averaged with nobody: own pseudo-gradient",
+                self.run_id,
+                fragment.index,
+                fragment.running_epoch,
+            )
+        members = set(fragment.params)
+        with torch.no_grad(), self.state_averager.state_lock():
+            saved = [m.grad for m in self._masters]
+            for index, master in enumerate(self._masters):
+                if index not in members:
+                    master.grad = None  # the outer optimizer skips the other fragments
+            try:
+                self.outer_optimizer.step()
+            finally:
+                for master, grad in zip(self._masters, saved, strict=True):
+                    master.grad = grad
+            streaming = len(self.fragments) > 1
+            alpha = self.fragment_merge_alpha if streaming else 0.0
+            for index in fragment.params:
+                main, synced = self.main_parameters[index], self._masters[index]
+                merged = synced.to(main.device)
+                if alpha:
+                    merged = alpha * main.detach() + (1 - alpha) * merged
+                main.copy_(merged)
+
+    def _outer_step(self) -> None:
+        """The epoch is due: sync the last fragment (all of them when not streaming), wait
+        for every round of this epoch, and move to the next epoch."""
+        began = time.perf_counter()
+        if self.tracker.global_progress.num_peers <= 1:
+            try:  # about to sync alone: look once more for peers that started with us
+                self.tracker.refresh(timeout=self.matchmaking_time)
+            except Exception as e:
+                logger.debug("%s: refreshing progress failed: %r", self.run_id, e)
+        with self.tracker.pause_updates():
+            for fragment in self.fragments:
+                if fragment.synced_epoch < self.local_epoch:
+                    self._launch(fragment)
+            self._apply_finished_fragments(wait=True)
+            self.state_averager.local_epoch += 1
+            self.tracker.update_epoch(new_epoch=self.local_epoch)
+            self.samples_since_sync = 0
+            self._check_sync_on_next_update = True
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+        logger.log(
+            self.status_loglevel,
+            "%s: outer step done in %.2f s, now at epoch %d",
+            self.run_id,
+            time.perf_counter() - began,
+            self.local_epoch,
+        )
+
+    # ------------------------------------------------------------------ staying in sync
+
+    def _should_load_state_from_peers(self) -> bool:
+        if (
+            self._check_sync_on_next_update
+            and self.tracker.fetched_global_progress_this_epoch.is_set()
+        ):
+            self._check_sync_on_next_update = False
+            return self.local_epoch < self.tracker.global_epoch
+        return self.local_epoch < self.tracker.global_epoch - 1
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        """Download the synced parameters, the outer optimizer's state and the epoch; the
+        model continues from them (this peer's inner progress since its sync is dropped)."""
+        for fragment in self.fragments:
+            if fragment.scheduled is not None:
+                fragment.scheduled.cancel()
+                fragment.scheduled = None
+            if fragment.running is not None:
+                self._apply_fragment(fragment, fragment.running)
+        deadline = time.monotonic() + self.load_state_timeout
+        with self.tracker.pause_updates():
+            while (remaining := deadline - time.monotonic()) > 0:
+                try:
+                    loaded = self.state_averager.load_state_from_peers(timeout=remaining, **kwargs)
+                except ValidationError:
+                    raise
+                except Exception as e:
+                    logger.warning("%s: loading state failed (%r), retrying", self.run_id, e)
+                    loaded = None
+                if loaded is not None:
+                    break
+                if self.tracker.peers_ahead_of(self.local_epoch, timeout=remaining) == 0:
+                    break  # those ahead of us left: nothing newer to wait for
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            if self.local_epoch < self.tracker.global_epoch - 1:
+                self.tracker.distrust_epochs_above(self.local_epoch)
+            self.samples_since_sync = 0
+            for fragment in self.fragments:
+                fragment.residuals = None
+                fragment.synced_epoch = self.local_epoch - 1
+            self.tracker.update_epoch(new_epoch=self.local_epoch)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+
+    # ------------------------------------------------------------------ shutting down
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fragment in self.fragments:
+            for control in (fragment.scheduled, fragment.running):
+                if control is not None and not control.done():
+                    control.cancel()
+        self._shutdown_parts()
+
+    def _shutdown_parts(self) -> None:
+        self.tracker.shutdown(timeout=1.0)
+        for fragment in self.fragments:
+            fragment.averager.shutdown()
+        if getattr(self, "state_averager", None) is not None:
+            self.state_averager.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed and getattr(self, "fragments", None) is not None:
+                self.shutdown()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"DiLoCoOptimizer(run_id={self.run_id!r}, epoch={self.local_epoch}, "
+            f"H={self.num_inner_steps}, fragments={len(self.fragments)})"
+        )
+
+
+def _make_inner_optimizer(inner_optimizer: Any, params: Any) -> torch.optim.Optimizer:
+    if hasattr(inner_optimizer, "param_groups") and hasattr(inner_optimizer, "step"):
+        if params is not None:
+            raise ValidationError("params were given with a ready inner_optimizer: pass only one")
+        return inner_optimizer
+    if not callable(inner_optimizer):
+        raise ValidationError(
+            "inner_optimizer must be a factory (lambda params: torch.optim.AdamW(params)) "
+            f"with params=..., or a torch optimizer; got {type(inner_optimizer).__name__}"
+        )
+    if params is None:
+        raise ValidationError("inner_optimizer is a factory: pass params=model.parameters() too")
+    try:
+        made = inner_optimizer(list(params))
+    except Exception as e:
+        raise ValidationError(f"the inner_optimizer factory raised {type(e).__name__}: {e}") from e
+    if not hasattr(made, "param_groups"):
+        raise ValidationError(
+            f"the inner_optimizer factory returned a {type(made).__name__}, not an optimizer"
+        )
+    return made
+
+
+def _compression_residuals(
+    codec: CompressionBase, deltas: list[torch.Tensor], keys: Sequence[int]
+) -> list[torch.Tensor]:
+    """What the codec loses of each tensor, to be sent next time. The all-reduce encodes
+    parts of concatenated tensors (and the reducer encodes the average again), so this
+    is the bulk of the loss rather than its exact value."""
+    residuals = []
+    for delta, key in zip(deltas, keys, strict=True):
+        info = CompressionInfo.from_tensor(delta, key=key)
+        restored = codec.extract(codec.compress(delta, info))
+        residuals.append(delta - restored.to(delta.dtype).reshape(delta.shape))
+    return residuals
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValidationError(f"{name} must be a positive int, got {value!r}")

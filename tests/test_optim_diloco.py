@@ -1,0 +1,266 @@
+"""DiLoCoOptimizer: fragments, the outer step's arithmetic, peers that sync together,
+joiners, NaN pseudo-gradients, streaming and compressed pseudo-gradients, bad input."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from optim_helpers import Trainer, dht_swarm, join, make_model, max_difference, start_together
+
+import swarmgrad
+from swarmgrad.compression import Uniform8BitQuantization
+from swarmgrad.optim.diloco import DiLoCoOptimizer, split_into_fragments
+from swarmgrad.utils.errors import ValidationError
+
+RUN = "diloco_run"
+
+
+def make_diloco(dht, model, **options) -> DiLoCoOptimizer:
+    options.setdefault("run_id", RUN)
+    options.setdefault("batch_size", 8)
+    options.setdefault("num_inner_steps", 5)
+    options.setdefault("inner_optimizer", lambda params: torch.optim.SGD(params, lr=0.05))
+    options.setdefault("matchmaking_time", 1.0)
+    options.setdefault("averaging_timeout", 15.0)
+    if "params" not in options and callable(options["inner_optimizer"]):
+        options["params"] = model.parameters()
+    return DiLoCoOptimizer(dht=dht, **options)
+
+
+# ---------------------------------------------------------------------- fragments
+
+
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=40), st.integers(1, 40))
+def test_fragments_cover_every_parameter_once_in_order(sizes, count):
+    if count > len(sizes):
+        with pytest.raises(ValidationError, match="at least one"):
+            split_into_fragments(sizes, count)
+        return
+    fragments = split_into_fragments(sizes, count)
+    assert len(fragments) == count and all(fragments)
+    assert [i for fragment in fragments for i in fragment] == list(range(len(sizes)))
+
+
+def test_fragments_have_similar_sizes():
+    fragments = split_into_fragments([100] * 12, 4)
+    assert [len(f) for f in fragments] == [3, 3, 3, 3]
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def test_bad_arguments_are_refused_by_name():
+    with dht_swarm(1) as (dht,):
+        model = make_model()
+        for options, reason in (
+            ({"num_inner_steps": 0}, "num_inner_steps must be a positive int"),
+            ({"batch_size": -1}, "batch_size must be a positive int"),
+            ({"num_fragments": 0}, "num_fragments must be a positive int"),
+            ({"num_fragments": 3, "num_inner_steps": 2}, "num_inner_steps=2 is fewer than"),
+            ({"num_fragments": 9, "num_inner_steps": 50}, "more than the model's 4"),
+            ({"fragment_merge_alpha": 1.0}, "fragment_merge_alpha must be in"),
+            ({"target_batch_size": 0}, "target_batch_size must be a positive int"),
+            ({"matchmaking_time": 0}, "matchmaking_time must be a positive number"),
+            ({"outer_optimizer": torch.optim.SGD(model.parameters(), lr=1)}, "must be a factory"),
+            ({"inner_optimizer": 3}, "inner_optimizer must be a factory"),
+            ({"inner_optimizer": lambda p: 1 / 0}, "factory raised ZeroDivisionError"),
+            ({"scheduler": lambda opt: 1 / 0}, "scheduler factory raised ZeroDivisionError"),
+            ({"run_id": ""}, "run_id must be a non-empty str"),
+        ):
+            with pytest.raises(ValidationError, match=reason):
+                make_diloco(dht, model, **options)
+
+
+# ---------------------------------------------------------------------- the outer step
+
+
+def test_a_lone_peer_applies_nesterov_to_its_own_pseudo_gradient():
+    """One peer, H = 3: theta = theta_sync - lr (1 + momentum) (theta_sync - theta_local)
+    on the first outer step (Nesterov SGD, lr 0.7, momentum 0.9, the default)."""
+    with dht_swarm(1) as (dht,):
+        model = make_model(seed=1)
+        start = [p.detach().clone() for p in model.parameters()]
+        twin = copy.deepcopy(model)
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05)
+        opt = make_diloco(dht, model, num_inner_steps=3, batch_size=8)
+        try:
+            generator = torch.Generator().manual_seed(0)
+            for step in range(3):
+                x = torch.randn(8, 8, generator=generator)
+                for m, o in ((model, opt), (twin, twin_opt)):
+                    torch.nn.functional.mse_loss(m(x), x[:, :2]).backward()
+                    o.step()
+                    o.zero_grad()
+                assert opt.local_epoch == (1 if step == 2 else 0)
+            params = zip(start, twin.parameters(), model.parameters(), strict=True)
+            for synced, local, got in params:
+                expected = synced - 0.7 * 1.9 * (synced - local.detach())
+                assert torch.allclose(got.detach(), expected, atol=1e-6)
+        finally:
+            opt.shutdown()
+
+
+def test_peers_sync_together_and_end_each_epoch_with_equal_parameters():
+    with dht_swarm(3) as dhts:
+        models = [make_model(seed=0) for _ in dhts]
+        opts = [make_diloco(dht, m, num_inner_steps=4) for dht, m in zip(dhts, models, strict=True)]
+        trainers = [
+            Trainer(opt, model, seed=i, until_epoch=4)
+            for i, (opt, model) in enumerate(zip(opts, models, strict=True))
+        ]
+        try:
+            start_together(trainers)
+            for trainer in trainers:
+                trainer.result()
+            for epoch in (1, 2, 3, 4):
+                reference = trainers[0].params_at_epoch[epoch]
+                for trainer in trainers[1:]:
+                    assert max_difference(trainer.params_at_epoch[epoch], reference) < 1e-6
+            first, last = trainers[0].params_at_epoch[0], trainers[0].params_at_epoch[4]
+            assert max_difference(first, last) > 0
+            assert sum(trainers[0].losses[-5:]) < sum(trainers[0].losses[:5])
+        finally:
+            for opt in opts:
+                opt.shutdown()
+
+
+def test_a_joiner_downloads_the_synced_state_and_then_syncs_with_the_others():
+    with dht_swarm(2) as dhts:
+        models = [make_model(seed=0) for _ in dhts]
+        opts = [make_diloco(dht, m) for dht, m in zip(dhts, models, strict=True)]
+        trainers = [
+            Trainer(opt, model, seed=i, until_epoch=5)
+            for i, (opt, model) in enumerate(zip(opts, models, strict=True))
+        ]
+        late_model = make_model(seed=7)  # other weights: it must take the swarm's
+        try:
+            start_together(trainers)
+            while opts[0].local_epoch < 2:
+                trainers[0].join(0.05)
+            late_opt = make_diloco(join(dhts), late_model)
+            opts.append(late_opt)
+            late = Trainer(late_opt, late_model, seed=9, until_epoch=5)
+            late.start()
+            for trainer in [*trainers, late]:
+                trainer.result()
+            first_epoch = min(e for e in late.params_at_epoch if e >= 2)
+            assert first_epoch >= 2
+            assert max_difference(late.params_at_epoch[5], trainers[0].params_at_epoch[5]) < 1e-6
+            assert late_opt.outer_optimizer.state_dict()["state"]  # the momentum came along
+        finally:
+            for opt in opts:
+                opt.shutdown()
+
+
+def test_a_nan_pseudo_gradient_is_left_out_and_the_peer_takes_the_others_average(caplog):
+    with dht_swarm(3) as dhts:
+        models = [make_model(seed=0) for _ in dhts]
+        opts = [
+            make_diloco(dht, m, outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
+            for dht, m in zip(dhts, models, strict=True)
+        ]
+
+        def poison(trainer: Trainer) -> None:
+            if trainer.opt.local_epoch == 1:
+                with torch.no_grad():
+                    next(trainer.model.parameters())[0, 0] = float("nan")
+
+        trainers = [
+            Trainer(opt, model, seed=i, until_epoch=2, on_step=poison if i == 2 else None)
+            for i, (opt, model) in enumerate(zip(opts, models, strict=True))
+        ]
+        try:
+            with caplog.at_level(logging.WARNING, logger="swarmgrad.optim.diloco"):
+                start_together(trainers)
+                for trainer in trainers:
+                    trainer.result()
+            assert "NaN or Inf" in caplog.text
+            final = [t.params_at_epoch[2] for t in trainers]
+            assert all(bool(torch.isfinite(p).all()) for params in final for p in params)
+            assert max_difference(final[0], final[2]) < 1e-6
+            assert max_difference(final[0], final[1]) < 1e-6
+        finally:
+            for opt in opts:
+                opt.shutdown()
+
+
+# ---------------------------------------------------------------------- streaming, codecs
+
+
+def test_streaming_fragments_sync_in_turn_and_keep_the_peers_close():
+    with dht_swarm(2) as dhts:
+        models = [make_model(seed=0) for _ in dhts]
+        opts = [
+            make_diloco(dht, m, num_inner_steps=8, num_fragments=2, matchmaking_time=0.5)
+            for dht, m in zip(dhts, models, strict=True)
+        ]
+        trainers = [
+            Trainer(opt, model, seed=i, until_epoch=4)
+            for i, (opt, model) in enumerate(zip(opts, models, strict=True))
+        ]
+        try:
+            start_together(trainers)
+            for trainer in trainers:
+                trainer.result()
+            assert [f.params for f in opts[0].fragments] == [[0], [1, 2, 3]]  # 128 | 16+32+2
+            # the peers keep their own inner steps in the merge, so they differ a little,
+            # much less than their local drift in an epoch
+            drift = max_difference(trainers[0].params_at_epoch[4], trainers[0].params_at_epoch[3])
+            gap = max_difference(trainers[0].params_at_epoch[4], trainers[1].params_at_epoch[4])
+            assert gap < drift
+            assert sum(trainers[0].losses[-5:]) < sum(trainers[0].losses[:5])
+        finally:
+            for opt in opts:
+                opt.shutdown()
+
+
+def test_int8_pseudo_gradients_with_error_feedback_keep_the_peers_equal():
+    with dht_swarm(2) as dhts:
+        models = [make_model(seed=0) for _ in dhts]
+        opts = [
+            make_diloco(dht, m, grad_compression=Uniform8BitQuantization())
+            for dht, m in zip(dhts, models, strict=True)
+        ]
+        trainers = [
+            Trainer(opt, model, seed=i, until_epoch=3)
+            for i, (opt, model) in enumerate(zip(opts, models, strict=True))
+        ]
+        try:
+            assert opts[0].error_feedback
+            start_together(trainers)
+            for trainer in trainers:
+                trainer.result()
+            last = [t.params_at_epoch[3] for t in trainers]
+            assert max_difference(*last) < 1e-6
+            residuals = opts[0].fragments[0].residuals
+            assert residuals is not None and any(float(r.abs().max()) > 0 for r in residuals)
+        finally:
+            for opt in opts:
+                opt.shutdown()
+
+
+def test_exported_at_the_top_level_and_checkpoints_round_trip():
+    assert swarmgrad.DiLoCoOptimizer is DiLoCoOptimizer
+    with dht_swarm(1) as (dht,):
+        model = make_model()
+        opt = make_diloco(dht, model, num_inner_steps=2)
+        try:
+            state = opt.state_dict()
+            assert state["epoch"] == 0 and len(state["synced"]) == 4
+            state["epoch"] = 3
+            opt.load_state_dict(state)
+            assert opt.local_epoch == 3
+            with pytest.raises(ValidationError, match="keys inner, outer, synced and epoch"):
+                opt.load_state_dict({"inner": {}})
+            state["synced"] = state["synced"][:1]
+            with pytest.raises(ValidationError, match="1 synced tensors"):
+                opt.load_state_dict(state)
+        finally:
+            opt.shutdown()
+        with pytest.raises(ValidationError, match="shut down"):
+            opt.step()
