@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--averaging-timeout", type=float, default=30.0)
     parser.add_argument("--delay", action="store_true", help="delay_optimizer_step/grad_averaging")
+    parser.add_argument("--average-state-every", type=int, default=1)
     parser.add_argument("--dump-dir", default=None, help="save parameters at each epoch")
     args = parser.parse_args()
 
@@ -123,6 +124,7 @@ def main() -> None:
         averaging_timeout=args.averaging_timeout,
         delay_optimizer_step=args.delay,
         delay_grad_averaging=args.delay,
+        average_state_every=args.average_state_every,
         verbose=bool(os.environ.get("COLLAB_VERBOSE")),
     )
     maddrs = [str(m) for m in dht.get_visible_maddrs()]

@@ -196,6 +196,8 @@ def measure_efficiency(python: str, impl: str, args) -> dict:
             "--averaging-timeout",
             "30",
             *(["--delay"] if args.delay else []),
+            "--average-state-every",
+            str(args.average_state_every),
         ]
         workers = start_swarm(python, 4, common, address)
         for worker in workers:
@@ -365,6 +367,9 @@ def main() -> None:
     parser.add_argument("--epoch-seconds", type=float, default=5.0)
     parser.add_argument("--step-sleep", type=float, default=0.2)
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
+    parser.add_argument(
+        "--average-state-every", type=int, default=1, help="both sides (hivemind's default: 1)"
+    )
     parser.add_argument(
         "--delay",
         action="store_true",

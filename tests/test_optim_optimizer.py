@@ -595,3 +595,33 @@ def test_grad_scaler_with_reused_buffers_unscales_once_per_epoch(one_dht):
             opt.shutdown()
     assert max_difference(results[0], snapshot(make_model(0))) > 1e-4
     assert max_difference(results[0], results[1]) < 1e-5
+
+
+@pytest.mark.parametrize("same_start", [True, False])
+def test_a_state_round_runs_only_when_the_peers_states_differ(same_start):
+    """Synchronous peers that start equal stay equal (same averaged gradients): their
+    state rounds are skipped, which halves the bytes per epoch. Peers that start apart
+    keep their state rounds, which bring them together."""
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0 if same_start else 1)]
+        opts = [
+            make_optimizer(d, m, delay_state_averaging=False)
+            for d, m in zip(dhts, models, strict=True)
+        ]
+        try:
+            equal_digests = opts[0].state_averager.state_digest() == (
+                opts[1].state_averager.state_digest()
+            )
+            assert equal_digests == same_start
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=3)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            rounds = [o.state_averager.finished_averaging_round.is_set() for o in opts]
+            assert rounds == [not same_start] * 2
+            assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
+        finally:
+            shutdown_all(*opts)

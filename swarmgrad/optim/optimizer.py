@@ -191,6 +191,11 @@ class Optimizer(torch.optim.Optimizer):
         self.scheduled_grads: StepControl | None = None
         self.scheduled_state: StepControl | None = None
         self._group_error: BaseException | None = None
+        self._missed_round = False  # our gradient round found nobody while peers were there
+        # synchronous mode: a state round among peers whose states are equal is skipped
+        self._compare_states = not (use_local_updates or delay_optimizer_step or auxiliary)
+        self._state_digest: tuple[int, bytes] | None = None  # (epoch, digest)
+        self._states_equal = False
         self._closed = False
 
         self.tracker = ProgressTracker(
@@ -423,7 +428,7 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        if not self.auxiliary and self._should_load_state_from_peers():
+        if not self.auxiliary and (self._missed_round or self._should_load_state_from_peers()):
             logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
             self.load_state_from_peers()
             return loss  # these gradients were computed on stale parameters
@@ -497,11 +502,17 @@ class Optimizer(torch.optim.Optimizer):
 
             next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
             swarm_not_empty = self.tracker.global_progress.num_peers > 1
+            # every peer of the swarm started this epoch with our state and applies the
+            # same averaged gradients: a state round would move bytes and change nothing
+            states_equal, self._states_equal = self._states_equal, False
             average_state = (
                 swarm_not_empty
                 and next_epoch % self.average_state_every == 0
                 and not self.state_averager.averaging_in_progress
+                and not states_equal
             )
+            if states_equal:
+                logger.debug("%s: states equal across the swarm, no state round", self.run_id)
             state_control = self.scheduled_state if average_state else None
             if state_control is not None and (state_control.triggered or state_control.done()):
                 state_control = None
@@ -533,6 +544,10 @@ class Optimizer(torch.optim.Optimizer):
                 assert self.grad_averager is not None
                 self.grad_averager.reset_accumulated_grads_()
             logger.log(self.status_loglevel, "%s: now at epoch %d", self.run_id, self.local_epoch)
+        if self._missed_round and not self.delay_grad_averaging and not self.auxiliary:
+            # our update used our own gradients while the swarm used its average: take
+            # the swarm's state now, before the next batch is computed on ours
+            self.load_state_from_peers()
 
     def _begin_averaging_gradients(self, grad_scaler: GradScaler | None) -> StepControl | None:
         """Release this epoch's gradient round (scheduled earlier, or now); None if there
@@ -559,7 +574,11 @@ class Optimizer(torch.optim.Optimizer):
                 reset_accumulators=False,
                 wait=False,
                 timeout=self.averaging_timeout,
-                **({} if control is not None else {"round_tag": tag}),
+                **(
+                    {}
+                    if control is not None
+                    else {"round_tag": tag, "gather": self._digest_of_this_epoch()}
+                ),
             )
         except Exception as e:
             logger.warning("%s: could not start averaging gradients: %r", self.run_id, e)
@@ -570,8 +589,10 @@ class Optimizer(torch.optim.Optimizer):
     def _finish_averaging_gradients(self, control: StepControl) -> None:
         """Wait for the gradient round; on failure use the local gradients."""
         assert self.grad_averager is not None
+        failed = True
         try:
             gathered = control.result(self.averaging_timeout)
+            failed = False
         except GroupMismatch as e:
             self._group_error = e  # our tensors are not the run's: the user must know
             gathered = None
@@ -587,7 +608,28 @@ class Optimizer(torch.optim.Optimizer):
                 self.run_id,
                 len(gathered),
             )
+            mine = self._digest_of_this_epoch()
+            self._states_equal = (
+                mine is not None
+                and len(gathered) >= self.tracker.global_progress.num_peers
+                and all(digest == mine for digest in gathered.values())
+            )
         else:
+            if (
+                not failed
+                and gathered is None
+                and self.tracker.peers_ahead_of(self.local_epoch - 1, refresh=False) > 0
+            ):
+                # peers at our epoch (or beyond) averaged without us: their state is the
+                # swarm's; peers behind us (paused, slow) are no reason to go back
+                logger.log(
+                    self.status_loglevel,
+                    "%s: no group for epoch %d although peers are training: will load "
+                    "their state after this update",
+                    self.run_id,
+                    self.local_epoch,
+                )
+                self._missed_round = True
             # The buffers hold this peer's mean gradient (loaded before the round began),
             # or whole spans of the average where a failed round got that far: either is
             # a fair gradient. Not reloaded from the accumulators, which may already hold
@@ -628,7 +670,18 @@ class Optimizer(torch.optim.Optimizer):
                 scheduled_time=get_dht_time() + eta,
                 timeout=self.averaging_timeout,
                 round_tag=self._gradient_round_tag(),
+                gather=self._digest_of_this_epoch(),
             )
+
+    def _digest_of_this_epoch(self) -> bytes | None:
+        """This epoch's state digest, shared in the gradient round's gather (None when
+        states are not compared). In synchronous mode the state does not change during
+        an epoch, so it is computed once."""
+        if not self._compare_states:
+            return None
+        if self._state_digest is None or self._state_digest[0] != self.local_epoch:
+            self._state_digest = (self.local_epoch, self.state_averager.state_digest())
+        return self._state_digest[1]
 
     def _gradient_round_tag(self) -> str:
         """Gradients of one epoch are averaged only with gradients of the same epoch: a
@@ -684,6 +737,7 @@ class Optimizer(torch.optim.Optimizer):
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
+        self._missed_round = False
         deadline = time.monotonic() + self.load_state_timeout
         with self.tracker.pause_updates():
             while True:

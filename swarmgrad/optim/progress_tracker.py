@@ -295,12 +295,15 @@ class ProgressTracker:
         run_coroutine(self._fetch_once(), timeout=timeout)
         return self.global_progress
 
-    def peers_ahead_of(self, epoch: int, timeout: float | None = None) -> int:
-        """Read the swarm now and count the other peers whose live records claim an epoch
-        beyond ``epoch`` (distrusted peers and records from the future left out). Works
-        inside :meth:`pause_updates`: it is how a peer that cannot find a donor learns
-        that the peers it was trying to catch up with have left."""
-        run_coroutine(self._fetch_once(), timeout=timeout)
+    def peers_ahead_of(
+        self, epoch: int, timeout: float | None = None, *, refresh: bool = True
+    ) -> int:
+        """Count the other peers whose live records claim an epoch beyond ``epoch``
+        (distrusted peers and records from the future left out), after reading the swarm
+        now unless ``refresh=False``. Works inside :meth:`pause_updates`: it is how a peer
+        that cannot find a donor learns that the peers it was catching up with have left."""
+        if refresh:
+            run_coroutine(self._fetch_once(), timeout=timeout)
         horizon = get_dht_time() + self.rules.max_time_skew
         with self._lock:
             return sum(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -227,6 +228,26 @@ class TrainingStateAverager(DecentralizedAverager):
     @property
     def opt(self) -> torch.optim.Optimizer:
         return self.optimizer
+
+    def state_digest(self) -> bytes:
+        """A hash of everything a state round would average plus the optimizer's whole
+        state and hyperparameters: peers with equal digests that apply the same averaged
+        gradients stay equal, so a state round among them would change nothing."""
+        digest = hashlib.blake2b(digest_size=16)
+        with self._state_lock, torch.no_grad():
+            tensors = [
+                *self._local_tensors,
+                *(t for _, t in optimizer_state_tensors(self.optimizer)),
+            ]
+            for tensor in tensors:
+                flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+                digest.update(str((flat.dtype, tuple(tensor.shape))).encode())
+                digest.update(flat.view(torch.uint8).numpy())
+            for group in self.optimizer.param_groups:
+                digest.update(
+                    repr(sorted((k, repr(v)) for k, v in group.items() if k != "params")).encode()
+                )
+        return digest.digest()
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
         """What joiners download: the epoch, the parameters, the optimizer state and the
