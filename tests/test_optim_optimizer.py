@@ -261,6 +261,9 @@ def test_auxiliary_peer_helps_averaging_without_data():
             for t in trainers:
                 t.result()
             assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
+            # it kept up with the epochs and reduced a part of the trainers' last round
+            last_round = opts[0].grad_averager.last_result.group_id
+            assert aux.local_epoch >= 2 and aux.grad_averager.last_result.group_id == last_round
         finally:
             shutdown_all(*opts, aux)
 

@@ -433,6 +433,8 @@ class Optimizer(torch.optim.Optimizer):
             self.load_state_from_peers()
             return loss  # these gradients were computed on stale parameters
 
+        if self.auxiliary and self.tracker.global_epoch > self.local_epoch:
+            self._follow_the_swarm()
         if self.use_gradient_averaging:
             if not self.auxiliary and not self._accumulate(batch_size, grad_scaler):
                 return loss
@@ -716,6 +718,20 @@ class Optimizer(torch.optim.Optimizer):
             )
 
     # ------------------------------------------------------------------ staying in sync
+
+    def _follow_the_swarm(self) -> None:
+        """An auxiliary peer has no state worth keeping: it moves to the swarm's epoch,
+        so that its rounds carry the epoch the trainers' rounds carry."""
+        logger.log(
+            self.status_loglevel, "%s: auxiliary, moving to epoch %d", self.run_id,
+            self.tracker.global_epoch,
+        )  # fmt: skip
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self.scheduled_grads.cancel()
+        self.scheduled_grads = None
+        with self.tracker.pause_updates():
+            self.state_averager.local_epoch = self.tracker.global_epoch
+            self.tracker.update_epoch(new_epoch=self.local_epoch)
 
     def _should_load_state_from_peers(self) -> bool:
         """Once per epoch, after a fresh read of the swarm's progress, a peer must be at
