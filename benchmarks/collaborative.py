@@ -335,7 +335,9 @@ def measure_churn(python: str, args) -> dict:
             recovery = min(next_epochs) - killed_at
             lost = sum(1 for w in survivors for e in range(0, 10) if e not in w.epochs)
             joined = min(e for e in joiner.epochs if e > 0)
-            first_update = joined + 1
+            # its first update: the first epoch after joining that both the joiner and a
+            # survivor began (a joiner that had to download again may skip one)
+            first_update = min(e for e in joiner.epochs if e > joined and e in survivors[0].epochs)
             mine = torch.load(os.path.join(tmp, f"4_{first_update}.pt"))
             theirs = torch.load(os.path.join(tmp, f"0_{first_update}.pt"))
             gap = float((mine - theirs).abs().max())

@@ -628,3 +628,53 @@ def test_a_state_round_runs_only_when_the_peers_states_differ(same_start):
             assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
         finally:
             shutdown_all(*opts)
+
+
+def test_states_count_as_equal_only_after_a_whole_round_with_fresh_digests():
+    """The rule that skips a state round: every peer in the gradient round, all with the
+    digest of our state as it is now, and every span averaged. A span kept local (its
+    owner died mid-round) leaves each peer with its own gradient there; a digest sent
+    before a background state round changed our state says nothing about it now."""
+    import dataclasses
+
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [make_optimizer(d, m) for d, m in zip(dhts, models, strict=True)]
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=1)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            opt = opts[0]
+            result = opt.grad_averager.last_result
+            assert result is not None and result.fully_averaged
+            mine = opt._digest_of_this_epoch()
+            gathered = {"a": mine, "b": mine}
+            assert opt._round_left_states_equal(gathered)
+
+            assert not opt._round_left_states_equal({"a": mine, "b": b"other"})
+            assert not opt._round_left_states_equal({"a": mine})  # a peer was not in it
+            opt._result_before_round = result  # no new round finished
+            assert not opt._round_left_states_equal(gathered)
+            opt._result_before_round = None
+            for partial in (
+                dataclasses.replace(result, local_spans=frozenset({1})),
+                dataclasses.replace(result, deadline_exceeded=True),
+            ):
+                opt.grad_averager._core.last_result = partial
+                assert not opt._round_left_states_equal(gathered)
+            opt.grad_averager._core.last_result = result
+            assert opt._round_left_states_equal(gathered)
+
+            # a background state round (or a download) changes the state after the
+            # digest was sent: the digest is recomputed and the old one no longer counts
+            with opt.state_averager.state_lock(), torch.no_grad():
+                opt.opt.param_groups[0]["params"][0].add_(1.0)  # the master copy
+                opt.state_averager.state_version += 1
+            assert opt._digest_of_this_epoch() != mine
+            assert not opt._round_left_states_equal(gathered)
+        finally:
+            shutdown_all(*opts)

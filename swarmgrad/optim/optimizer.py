@@ -37,6 +37,7 @@ offloaded optimizer is refused rather than racing with backward.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -194,7 +195,8 @@ class Optimizer(torch.optim.Optimizer):
         self._missed_round = False  # our gradient round found nobody while peers were there
         # synchronous mode: a state round among peers whose states are equal is skipped
         self._compare_states = not (use_local_updates or delay_optimizer_step or auxiliary)
-        self._state_digest: tuple[int, bytes] | None = None  # (epoch, digest)
+        self._state_digest: tuple[tuple[int, int], bytes] | None = None  # (epoch, version)
+        self._result_before_round: Any = None  # grad averager's last result, before ours
         self._states_equal = False
         self._closed = False
 
@@ -344,6 +346,7 @@ class Optimizer(torch.optim.Optimizer):
             self.state_averager.local_epoch = int(state_dict["state"].pop("local_epoch"))
         self.state_averager.optimizer.load_state_dict(state_dict)
         self.state_averager._update_scheduler()
+        self.state_averager.state_version += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (refused with ``reuse_grad_buffers``: there the
@@ -570,6 +573,7 @@ class Optimizer(torch.optim.Optimizer):
             if control is not None:
                 control.cancel()
             return None
+        self._result_before_round = self.grad_averager.last_result
         try:
             return self.grad_averager.step(
                 control=control,
@@ -591,13 +595,12 @@ class Optimizer(torch.optim.Optimizer):
     def _finish_averaging_gradients(self, control: StepControl) -> None:
         """Wait for the gradient round; on failure use the local gradients."""
         assert self.grad_averager is not None
-        failed = True
+        mismatch = False
         try:
-            gathered = control.result(self.averaging_timeout)
-            failed = False
+            gathered = self._wait_for_round(control)
         except GroupMismatch as e:
             self._group_error = e  # our tensors are not the run's: the user must know
-            gathered = None
+            gathered, mismatch = None, True
         except BaseException as e:
             logger.log(self.status_loglevel, "%s: averaging gradients failed: %r", self.run_id, e)
             if not control.done():
@@ -610,18 +613,9 @@ class Optimizer(torch.optim.Optimizer):
                 self.run_id,
                 len(gathered),
             )
-            mine = self._digest_of_this_epoch()
-            self._states_equal = (
-                mine is not None
-                and len(gathered) >= self.tracker.global_progress.num_peers
-                and all(digest == mine for digest in gathered.values())
-            )
+            self._states_equal = self._round_left_states_equal(gathered)
         else:
-            if (
-                not failed
-                and gathered is None
-                and self.tracker.peers_ahead_of(self.local_epoch - 1, refresh=False) > 0
-            ):
+            if not mismatch and self.tracker.peers_ahead_of(self.local_epoch - 1, refresh=False):
                 # peers at our epoch (or beyond) averaged without us: their state is the
                 # swarm's; peers behind us (paused, slow) are no reason to go back
                 logger.log(
@@ -638,6 +632,54 @@ class Optimizer(torch.optim.Optimizer):
             # the next epoch's gradients when this runs in the background.
             logger.log(self.status_loglevel, "%s: proceeding with local gradients", self.run_id)
         self._use_averaged_gradients()
+
+    def _round_left_states_equal(self, gathered: dict) -> bool:
+        """Do all peers of the swarm hold the same state after this round? Only if every
+        one of them was in it with the digest of our state as it is now (a digest sent
+        before a background state round changed our state is stale), and the round
+        averaged every span from every member (a span kept local differs across peers).
+        A peer that judges otherwise runs a state round; peers that judged equal wrongly
+        see different digests in the next epoch's round and run one then."""
+        mine = self._digest_of_this_epoch()
+        if mine is None or len(gathered) < self.tracker.global_progress.num_peers:
+            return False
+        if any(digest != mine for digest in gathered.values()):
+            return False
+        result = self.grad_averager.last_result if self.grad_averager is not None else None
+        return (
+            result is not None
+            and result is not self._result_before_round
+            and result.fully_averaged
+            and not result.deadline_exceeded
+        )
+
+    def _wait_for_round(self, control: StepControl) -> Any:
+        """The round's result, within averaging_timeout. A round still looking for its
+        group once peers have moved past our epoch will never find one (rounds are
+        tagged with the epoch): it is cancelled rather than waited for."""
+        deadline = time.monotonic() + self.averaging_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return control.result(max(0.0, min(0.25, remaining)))
+            except concurrent.futures.TimeoutError:
+                if control.done():
+                    raise  # the round's own error
+                if remaining <= 0.25:
+                    raise TimeoutError(
+                        f"the gradient round took over {self.averaging_timeout} s"
+                    ) from None
+                moved_on = self.tracker.peers_ahead_of(self.local_epoch, refresh=False)
+                if control.stage is AveragingStage.LOOKING_FOR_GROUP and moved_on:
+                    control.cancel()
+                    logger.log(
+                        self.status_loglevel,
+                        "%s: %d peer(s) finished epoch %d without us",
+                        self.run_id,
+                        moved_on,
+                        self.local_epoch,
+                    )
+                    return None
 
     def _use_averaged_gradients(self) -> None:
         """Put the averaged gradients where the optimizer reads them."""
@@ -677,12 +719,14 @@ class Optimizer(torch.optim.Optimizer):
 
     def _digest_of_this_epoch(self) -> bytes | None:
         """This epoch's state digest, shared in the gradient round's gather (None when
-        states are not compared). In synchronous mode the state does not change during
-        an epoch, so it is computed once."""
+        states are not compared). In synchronous mode the state changes during an epoch
+        only when a background state round or a download is applied (which bumps the
+        state version), so it is computed once per epoch and version."""
         if not self._compare_states:
             return None
-        if self._state_digest is None or self._state_digest[0] != self.local_epoch:
-            self._state_digest = (self.local_epoch, self.state_averager.state_digest())
+        key = (self.local_epoch, self.state_averager.state_version)
+        if self._state_digest is None or self._state_digest[0] != key:
+            self._state_digest = (key, self.state_averager.state_digest())
         return self._state_digest[1]
 
     def _gradient_round_tag(self) -> str:

@@ -110,6 +110,9 @@ class TrainingStateAverager(DecentralizedAverager):
         self.average_opt_statistics = tuple(average_opt_statistics)
         self.extra_tensors = tuple(extra_tensors)
         self.local_epoch = 0
+        # bumped whenever the state changes other than by an optimizer step (an averaged
+        # state applied, a download): a digest taken before such a change is stale
+        self.state_version = 0
         self.delay_before_averaging = PerformanceEMA(alpha=performance_ema_alpha)
         self._state_lock = threading.RLock()  # the local state: parameters, optimizer, extras
 
@@ -323,6 +326,7 @@ class TrainingStateAverager(DecentralizedAverager):
                 mine.copy_(theirs)
             self._copy_offloaded_to_main()
             self.local_epoch = metadata["epoch"]
+            self.state_version += 1
             self._update_scheduler()
 
     def _copy_offloaded_to_main(self) -> None:
@@ -484,6 +488,7 @@ class TrainingStateAverager(DecentralizedAverager):
                         local.copy_(average)  # nothing happened meanwhile: exact average
                     else:
                         local.add_(average.to(local.device) - before.to(local.device))
+                self.state_version += 1
 
         return apply
 
