@@ -595,17 +595,21 @@ class Optimizer(torch.optim.Optimizer):
     def _finish_averaging_gradients(self, control: StepControl) -> None:
         """Wait for the gradient round; on failure use the local gradients."""
         assert self.grad_averager is not None
-        mismatch = False
+        # who must have averaged without us for our state to be the odd one out: after a
+        # round that found nobody, any peer at our epoch; after a round that failed (a
+        # member died), only peers already past it (the others fell back as we did, and
+        # the next state round brings everyone together without a download)
+        ahead_of = self.local_epoch - 1
         try:
             gathered = self._wait_for_round(control)
         except GroupMismatch as e:
             self._group_error = e  # our tensors are not the run's: the user must know
-            gathered, mismatch = None, True
+            gathered, ahead_of = None, None
         except BaseException as e:
             logger.log(self.status_loglevel, "%s: averaging gradients failed: %r", self.run_id, e)
             if not control.done():
                 control.cancel()
-            gathered = None
+            gathered, ahead_of = None, self.local_epoch
         if gathered:
             logger.log(
                 self.status_loglevel,
@@ -615,7 +619,7 @@ class Optimizer(torch.optim.Optimizer):
             )
             self._states_equal = self._round_left_states_equal(gathered)
         else:
-            if not mismatch and self.tracker.peers_ahead_of(self.local_epoch - 1, refresh=False):
+            if ahead_of is not None and self.tracker.peers_ahead_of(ahead_of, refresh=False):
                 # peers at our epoch (or beyond) averaged without us: their state is the
                 # swarm's; peers behind us (paused, slow) are no reason to go back
                 logger.log(
