@@ -399,3 +399,36 @@ def test_a_search_ends_when_the_clock_stops_a_hair_before_its_deadline(client):
         return results
 
     assert run_with_wall_limit(main, 60, seed=13, latency=0.02) == [None, None, None]
+
+
+@pytest.mark.parametrize("expected", [4, None])
+def test_a_group_with_every_expected_peer_begins_without_waiting_out_its_window(expected):
+    """The collaborative optimizer knows how many peers a round will have: once they are
+    all in, the leader begins instead of waiting for its scheduled time (which short
+    epochs would pay at every round). Without the hint the window is waited out."""
+
+    async def main(network):
+        nodes, mms = await make_swarm(
+            network, 4, seed=3, target_group_size=16, min_matchmaking_time=10.0
+        )
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        results = await asyncio.gather(
+            *(
+                m.look_for_group(data_for_gather=b"x", timeout=30, expected_size=expected)
+                for m in mms
+            )
+        )
+        elapsed = loop.time() - began
+        with pytest.raises(ValidationError, match="expected_size"):
+            await mms[0].look_for_group(timeout=5, expected_size=1)
+        await stop(nodes, mms)
+        return results, elapsed, mms
+
+    results, elapsed, mms = run_simulation(main, seed=3, latency=0.02)
+    assert all(r is not None and r.group_size == 4 for r in results)
+    check_consistent(results, mms, [b"x"] * 4)
+    if expected:
+        assert elapsed < 3.0, elapsed
+    else:
+        assert elapsed >= 9.0, elapsed

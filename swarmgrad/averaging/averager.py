@@ -371,6 +371,7 @@ class DecentralizedAverager:
         require_trigger: bool = False,
         wait: bool = True,
         round_tag: str = "",
+        expected_group_size: int | None = None,
     ) -> dict[PeerID, Any] | StepControl | None:
         """Average once with a group of peers.
 
@@ -387,7 +388,10 @@ class DecentralizedAverager:
         ``control.allow_allreduce()`` once the group is formed. ``round_tag`` (letters,
         digits, '_', '-'; not in hivemind) makes this step meet only peers whose step has
         the same tag: the collaborative optimizer tags gradient rounds with the epoch, so
-        a peer that finishes an epoch late never mixes its gradients into the next one. A
+        a peer that finishes an epoch late never mixes its gradients into the next one.
+        ``expected_group_size`` (not in hivemind): when the caller knows how many peers
+        will come, a group this peer leads begins once it has that many instead of at
+        ``scheduled_time`` (short epochs would otherwise wait out every window). A
         ``GroupMismatch`` error means this peer's tensors differ from its group's.
         """
         if require_trigger and wait:
@@ -396,7 +400,9 @@ class DecentralizedAverager:
                 "that this thread waits for"
             )
         core = self._running()
-        control = core.new_control(scheduled_time, weight, require_trigger, round_tag)
+        control = core.new_control(
+            scheduled_time, weight, require_trigger, round_tag, expected_group_size
+        )
         inner = run_coroutine_future(
             core.step(gather, timeout=timeout, allow_retries=allow_retries, control=control)
         )

@@ -365,6 +365,7 @@ class AsyncDecentralizedAverager:
         weight: float | None = None,
         require_trigger: bool = False,
         round_tag: str = "",
+        expected_group_size: int | None = None,
     ) -> StepControl:
         """A StepControl with this averager's defaults (safe from any thread)."""
         if scheduled_time is None:
@@ -380,6 +381,7 @@ class AsyncDecentralizedAverager:
             weight=weight,
             require_trigger=require_trigger,
             round_tag=round_tag,
+            expected_group_size=expected_group_size,
         )
 
     async def step(
@@ -486,6 +488,7 @@ class AsyncDecentralizedAverager:
             timeout=window,
             scheduled_time=control.scheduled_time,
             round_tag=control.round_tag,
+            expected_size=control.expected_group_size,
         )
         if group is None:
             logger.debug("%s: no group found under %s", self, self.prefix)

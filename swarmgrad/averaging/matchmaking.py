@@ -190,6 +190,7 @@ class _Search:
     leader: PeerID | None = None  # a leader that accepted us: we follow it
     assembled: bool = False
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    full_at: int = 2**31  # begin a group we lead once it has this many members
 
 
 class Matchmaking:
@@ -270,6 +271,7 @@ class Matchmaking:
         timeout: float,
         scheduled_time: float | None = None,
         round_tag: str = "",
+        expected_size: int | None = None,
     ) -> GroupInfo | None:
         """Find a group under the current group key within ``timeout`` seconds.
 
@@ -277,7 +279,11 @@ class Matchmaking:
         ``scheduled_time`` (DHT time) is when this peer, as a leader, starts its group;
         default: ``min_matchmaking_time`` from now. ``round_tag`` (see
         :func:`~.group_bits.tagged_group_key`) restricts the group to peers with the same
-        tag. On success the group bits move to the next Moshpit axis before the GroupInfo
+        tag. ``expected_size``: how many peers the caller expects (e.g. the collaborative
+        optimizer's count of live trainers); a group this peer leads begins as soon as
+        it has that many members, not only at ``target_group_size`` or its scheduled
+        time. A low guess leaves late peers out of this round, a high one costs the
+        wait of today. On success the group bits move to the next Moshpit axis before the GroupInfo
         is returned."""
         if self._closed:
             raise SwarmgradError(f"matchmaking for {self.prefix!r} is shut down")
@@ -297,6 +303,11 @@ class Matchmaking:
         loop = asyncio.get_running_loop()
         key = tagged_group_key(self.key_manager.current_key, round_tag)
         search = _Search(key, data, loop.time() + timeout)
+        search.full_at = self.target_group_size
+        if expected_size is not None:
+            if type(expected_size) is not int or expected_size < 2:
+                raise ValidationError(f"expected_size must be an int >= 2, got {expected_size!r}")
+            search.full_at = min(self.target_group_size, expected_size)
         self._search = search
         try:
             group = await self._run(search, scheduled_time)
@@ -336,7 +347,7 @@ class Matchmaking:
     def _time_to_begin(self, s: _Search) -> bool:
         if self.client_mode:
             return False
-        full = len(s.followers) + 1 >= self.target_group_size
+        full = len(s.followers) + 1 >= s.full_at
         return full or self._dht_time() >= s.ready_by - _TICK
 
     async def _run(self, s: _Search, scheduled_time: float | None) -> GroupInfo | None:
@@ -383,7 +394,7 @@ class Matchmaking:
                     tried.add(attempt)
                     leader = candidate
             if leader is not None and not self._time_to_begin(s):
-                if not self.client_mode and len(s.followers) + 1 >= self.target_group_size:
+                if not self.client_mode and len(s.followers) + 1 >= s.full_at:
                     continue  # full: begin first
                 outcome = await self._try_leader(s, leader)
                 if isinstance(outcome, GroupInfo):
@@ -596,7 +607,7 @@ class Matchmaking:
         assert s is not None
         follower = _Follower(remote, request["gather"], asyncio.get_running_loop().create_future())
         s.followers[remote] = follower
-        if len(s.followers) + 1 >= self.target_group_size:
+        if len(s.followers) + 1 >= s.full_at:
             s.wakeup.set()
         try:
             yield {"code": "accepted", "ready_by": s.ready_by}

@@ -62,6 +62,9 @@ class StepControl(concurrent.futures.Future):
     ``require_trigger=True`` the step forms a group and then waits for
     :meth:`allow_allreduce` (until the step's deadline) before averaging.
     ``round_tag``: the step meets only peers whose step has the same tag.
+    ``expected_group_size``: how many peers the caller knows will come (None: unknown);
+    a group this peer leads begins as soon as it has that many members instead of
+    waiting for its scheduled time.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class StepControl(concurrent.futures.Future):
         weight: float,
         require_trigger: bool = False,
         round_tag: str = "",
+        expected_group_size: int | None = None,
     ):
         super().__init__()
         if not isinstance(scheduled_time, int | float) or not math.isfinite(scheduled_time):
@@ -79,6 +83,13 @@ class StepControl(concurrent.futures.Future):
         self._weight = check_weight(weight)
         self.require_trigger = bool(require_trigger)
         self.round_tag = check_round_tag(round_tag)
+        if expected_group_size is not None and (
+            type(expected_group_size) is not int or expected_group_size < 2
+        ):
+            raise ValidationError(
+                f"expected_group_size must be an int >= 2 or None, got {expected_group_size!r}"
+            )
+        self.expected_group_size = expected_group_size
         self._stage = AveragingStage.IDLE
         self._state_lock = threading.Lock()
         self._triggered = False

@@ -583,7 +583,11 @@ class Optimizer(torch.optim.Optimizer):
                 **(
                     {}
                     if control is not None
-                    else {"round_tag": tag, "gather": self._digest_of_this_epoch()}
+                    else {
+                        "round_tag": tag,
+                        "gather": self._digest_of_this_epoch(),
+                        "expected_group_size": self._expected_group_size(),
+                    }
                 ),
             )
         except Exception as e:
@@ -719,7 +723,15 @@ class Optimizer(torch.optim.Optimizer):
                 timeout=self.averaging_timeout,
                 round_tag=self._gradient_round_tag(),
                 gather=self._digest_of_this_epoch(),
+                expected_group_size=self._expected_group_size(),
             )
+
+    def _expected_group_size(self) -> int | None:
+        """The live peers of the run (the tracker's count): a gradient round that has
+        them all need not wait out its matchmaking window, which would dominate short
+        epochs. A stale count only costs the wait it saves."""
+        peers = self.tracker.global_progress.num_peers
+        return peers if peers >= 2 else None
 
     def _digest_of_this_epoch(self) -> bytes | None:
         """This epoch's state digest, shared in the gradient round's gather (None when

@@ -1,0 +1,122 @@
+"""A star of network namespaces for benchmarks: N hosts, each behind its own shaped link
+to a hub namespace that bridges them (see /work/shared/NETLAB.md).
+
+::
+
+    host0 10.79.0.10 --tbf--+
+    host1 10.79.0.11 --tbf--+-- hub (bridge, 10.79.0.1)
+    ...                     |
+
+Each host's veth is shaped with ``tc tbf`` in both directions (its upload on the host
+side, its download on the hub side), so a host's link is what a home or cloud uplink of
+that rate would be. The hub runs unshaped services (a bootstrap peer). Bytes a host sent
+are read from its veth's counters. Names are unique to this process; :meth:`close`
+deletes every namespace it made (and with them the veths), even after a partial setup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+
+HUB_ADDR = "10.79.0.1"
+_TIMEOUT = 10.0
+
+
+def lab_unavailable_reason() -> str | None:
+    """Why a lab cannot be built here, or None."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    name = f"sgprobe{os.getpid()}"
+    try:
+        _run(f"ip netns add {name}")
+    except RuntimeError as e:
+        return f"cannot create a network namespace: {e}"
+    _run(f"ip netns delete {name}", check=False)
+    return None
+
+
+def _run(command: str, check: bool = True) -> str:
+    done = subprocess.run(
+        command.split(), capture_output=True, text=True, timeout=_TIMEOUT, check=False
+    )
+    if check and done.returncode != 0:
+        raise RuntimeError(f"`{command}` failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+class StarLab:
+    """``StarLab(hosts=4, rate="20mbit")``; use as a context manager."""
+
+    def __init__(self, hosts: int, rate: str | Sequence[str] | None):
+        self.tag = str(os.getpid())
+        self.hub = f"sghub{self.tag}"
+        self.hosts = [f"sgh{i}x{self.tag}" for i in range(hosts)]
+        self.addresses = [f"10.79.0.{10 + i}" for i in range(hosts)]
+        rates = [rate] * hosts if rate is None or isinstance(rate, str) else list(rate)
+        if len(rates) != hosts:
+            raise ValueError(f"{len(rates)} rates for {hosts} hosts")
+        self.rates = rates
+        self._made: list[str] = []
+
+    def __enter__(self) -> StarLab:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _namespace(self, name: str) -> None:
+        _run(f"ip netns add {name}")
+        self._made.append(name)
+        _run(f"ip -n {name} link set lo up")
+
+    def _build(self) -> None:
+        self._namespace(self.hub)
+        _run(f"ip -n {self.hub} link add br0 type bridge")
+        _run(f"ip -n {self.hub} addr add {HUB_ADDR}/24 dev br0")
+        _run(f"ip -n {self.hub} link set br0 up")
+        for i, (ns, address, rate) in enumerate(
+            zip(self.hosts, self.addresses, self.rates, strict=True)
+        ):
+            self._namespace(ns)
+            _run(f"ip -n {ns} link add eth0 type veth peer name p{i} netns {self.hub}")
+            _run(f"ip -n {ns} addr add {address}/24 dev eth0")
+            _run(f"ip -n {ns} link set eth0 up")
+            _run(f"ip -n {self.hub} link set p{i} master br0")
+            _run(f"ip -n {self.hub} link set p{i} up")
+            if rate is not None:
+                # burst: a few ms of the rate (at least one 64 KB TSO segment)
+                for where, dev in ((ns, "eth0"), (self.hub, f"p{i}")):
+                    _run(
+                        f"tc -n {where} qdisc add dev {dev} root tbf rate {rate} "
+                        f"burst 64kb latency 100ms"
+                    )
+
+    def exec_prefix(self, host: int | None) -> list[str]:
+        """The command prefix that runs a process inside host ``host`` (None: the hub)."""
+        ns = self.hub if host is None else self.hosts[host]
+        return ["ip", "netns", "exec", ns]
+
+    def tx_bytes(self, host: int) -> int:
+        """Bytes host ``host`` has sent on its link so far."""
+        out = _run(f"ip -n {self.hosts[host]} -j -s link show eth0")
+        return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+    def close(self) -> None:
+        for ns in reversed(self._made):
+            _run(f"ip netns delete {ns}", check=False)
+        self._made.clear()
