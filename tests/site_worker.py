@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from swarmgrad import DHT, Optimizer
+from swarmgrad import DHT, DiLoCoOptimizer, Optimizer
 from swarmgrad.optim.site import SiteMismatch, SiteOptimizer
 
 
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--until", type=int, default=4)
     parser.add_argument("--wide-rank", type=int, default=-1, help="this rank's model differs")
+    parser.add_argument("--diloco", action="store_true", help="DiLoCo, inner steps mirrored")
     parser.add_argument("--kill-speaker-at", type=int, default=-1, help="epoch; mid-epoch")
     args = parser.parse_args()
 
@@ -43,20 +44,39 @@ def main() -> None:
     torch.manual_seed(100 + rank)  # ranks start different: the site makes them equal
     width = 9 if rank == args.wide_rank else 8
     model = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+    def inner_optimizer(params):
+        return torch.optim.SGD(params, lr=0.05, momentum=0.5)
+
+    def swarm_optimizer(dht, params):
+        if args.diloco:
+            return DiLoCoOptimizer(
+                dht=dht,
+                run_id="site_test_diloco",
+                batch_size=16,
+                num_inner_steps=5,
+                inner_optimizer=inner_optimizer,
+                params=params,
+                matchmaking_time=1.0,
+                averaging_timeout=5.0,
+            )
+        return Optimizer(
+            dht=dht,
+            run_id="site_test",
+            target_batch_size=192,
+            params=params,
+            optimizer=inner_optimizer,
+            matchmaking_time=1.0,
+            averaging_timeout=5.0,
+        )
+
     try:
         site = SiteOptimizer(
             params=model.named_parameters(),
             batch_size_per_step=8,
             dht_factory=lambda: DHT(initial_peers=[args.peers], start=True),
-            swarm_optimizer=lambda dht, params: Optimizer(
-                dht=dht,
-                run_id="site_test",
-                target_batch_size=320,
-                params=params,
-                optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5),
-                matchmaking_time=1.0,
-                averaging_timeout=5.0,
-            ),
+            swarm_optimizer=swarm_optimizer,
+            local_optimizer=inner_optimizer if args.diloco else None,
             heartbeat_interval=0.2,
             heartbeat_timeout=2.0,
             timeout=60.0,
@@ -66,11 +86,12 @@ def main() -> None:
         return
 
     generator = torch.Generator().manual_seed(hash(args.site) % 1000 + rank)
-    steps_in_epoch, last = 0, -1
+    steps, steps_in_epoch, last = 0, 0, -1
     while site.local_epoch < args.until:
         if site.local_epoch != last:
             last, steps_in_epoch = site.local_epoch, 0
-            say(event="epoch", epoch=last, params=_flat(model), members=site.members)
+            peers = site.swarm.tracker.global_progress.num_peers if site.is_speaker else None
+            say(event="epoch", epoch=last, params=_flat(model), members=site.members, peers=peers)
         if site.is_speaker and last == args.kill_speaker_at and steps_in_epoch == 3:
             say(event="dying")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -82,6 +103,7 @@ def main() -> None:
         site.step()
         site.zero_grad()
         steps_in_epoch += 1
+        steps += 1
         time.sleep(0.05)
     say(
         event="done",
@@ -90,6 +112,9 @@ def main() -> None:
         members=site.members,
         failovers=site.failovers,
         speaker=site.speaker_rank,
+        broadcasts=site.parameter_broadcasts,
+        resyncs=site.mirror_resyncs,
+        steps=steps,
     )
     site.shutdown()
     dist.destroy_process_group()

@@ -109,6 +109,27 @@ def test_two_sites_of_two_ranks_end_with_identical_parameters(bootstrap, tmp_pat
     assert gap(finals[0]["params"], finals[2]["params"]) < 1e-6, "the sites agree"
 
 
+def test_diloco_sites_mirror_inner_steps_and_receive_parameters_only_when_they_change(
+    bootstrap, tmp_path
+):
+    codes = finish(
+        torchrun_site("a", bootstrap, tmp_path, "--until", "3", "--diloco"),
+        torchrun_site("b", bootstrap, tmp_path, "--until", "3", "--diloco"),
+    )
+    assert codes == [0, 0]
+    for site in "ab":
+        first, second = epochs(tmp_path, site, 0), epochs(tmp_path, site, 1)
+        assert sorted(first) == sorted(second) == [0, 1, 2]
+        for epoch in first:
+            assert first[epoch] == second[epoch], (site, epoch)
+        final = done(tmp_path, site, 1)
+        assert final["params"] == done(tmp_path, site, 0)["params"]
+        # the other rank ran the inner steps itself: parameters came from the speaker at
+        # outer steps (and once more if the speaker loaded the swarm's state), not per step
+        assert final["broadcasts"] <= 3 + 2 and final["steps"] >= 10, final
+    assert gap(done(tmp_path, "a", 0)["params"], done(tmp_path, "b", 0)["params"]) < 1e-6
+
+
 def test_ranks_that_disagree_on_the_model_are_told_which_tensor_and_ranks(tmp_path):
     codes = finish(torchrun_site("m", "/ip4/127.0.0.1/tcp/1", tmp_path, "--wide-rank", "1"))
     assert codes == [0]
@@ -133,15 +154,18 @@ def test_describe_mismatch_names_counts_and_dtypes():
 
 def test_a_site_whose_speaker_is_killed_elects_the_survivor_and_trains_on(bootstrap, tmp_path):
     codes = finish(
-        launched_site("a", bootstrap, tmp_path, "--until", "6", "--kill-speaker-at", "2"),
-        torchrun_site("b", bootstrap, tmp_path, "--until", "6"),
+        launched_site("a", bootstrap, tmp_path, "--until", "5", "--kill-speaker-at", "2"),
+        torchrun_site("b", bootstrap, tmp_path, "--until", "5"),
     )
     assert codes == [0, 0], "site_launch: a rank killed by a signal is lost, not an error"
     assert [e["event"] for e in events(tmp_path, "a", 0)][-1] == "dying"
     survivor = done(tmp_path, "a", 1)
     assert survivor["failovers"] == 1 and survivor["members"] == [1] and survivor["speaker"] == 1
-    assert survivor["epoch"] == 6
+    assert survivor["epoch"] == 5
     before = epochs(tmp_path, "a", 1)
     assert before[2] == epochs(tmp_path, "a", 0)[2], "in step with the speaker until it died"
-    other = done(tmp_path, "b", 0)
-    assert gap(survivor["params"], other["params"]) < 1e-6, "the new speaker is in the swarm"
+    assert sorted(before) == [0, 1, 2, 3, 4], "the survivor counts on with the swarm"
+    # the new speaker is a peer of the swarm: it saw the other site in the run's progress
+    seen = [e["peers"] for e in events(tmp_path, "a", 1) if e["event"] == "epoch"][3:]
+    assert max(seen) >= 2, seen
+    assert done(tmp_path, "b", 0)["epoch"] == 5

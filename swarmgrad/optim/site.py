@@ -163,6 +163,8 @@ class SiteOptimizer:
         self._prefix = f"swarmgrad_site/{restart}/{self.members[0]}"
         self._generation = 0
         self.failovers = 0
+        self.parameter_broadcasts = 0  # steps whose parameters came from the speaker
+        self.mirror_resyncs = 0  # steps whose local_optimizer state came from the speaker
         self.swarm: Any = None  # the speaker's swarm optimizer
         self.dht: DHT | None = None
         self._standby: dict | None = None  # the speaker's optimizer state at its last epoch
@@ -242,10 +244,13 @@ class SiteOptimizer:
         elif self._local_opt is not None:
             self._local_opt.step()
 
-        header = torch.zeros(4, dtype=torch.float64, device=self._device)
+        header = torch.zeros(6, dtype=torch.float64, device=self._device)
         header[:2] = _checksum(self.params).to(self._device)
         header[2] = self.swarm.local_epoch if self.swarm is not None else 0
         header[3] = 1.0 if error is not None else 0.0
+        mirrored = self._mirrored_optimizer()
+        if mirrored is not None:
+            header[4:] = _checksum(_state_tensors(mirrored)).to(self._device)
         headers = self._all_gather(header)
         speaker = headers[0]
         if speaker[3] != 0:
@@ -258,8 +263,28 @@ class SiteOptimizer:
         self._epoch = int(speaker[2])
         if any(not torch.equal(h[:2], speaker[:2]) for h in headers[1:]):
             self._broadcast_params()
+            self.parameter_broadcasts += 1
+        if self._local_opt is not None and any(
+            not torch.equal(h[4:], speaker[4:]) for h in headers[1:]
+        ):
+            # a rank's mirror of the inner optimizer drifted (the speaker skipped an inner
+            # step to load the swarm's state, say): its state follows the speaker's
+            inner = self._mirrored_optimizer()
+            state = self._broadcast_object(inner.state_dict() if self.is_speaker else None)
+            if not self.is_speaker:
+                self._local_opt.load_state_dict(state)
+            self.mirror_resyncs += 1
         if self.replicate_state and self._replicated_epoch != self._epoch:
             self._replicate_state()
+
+    def _mirrored_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer whose steps the non-speakers mirror: the speaker's inner
+        optimizer, their ``local_optimizer``; None without a mirror."""
+        if self._local_opt is None:
+            return None
+        if self.is_speaker:
+            return self.swarm.inner_optimizer
+        return self._local_opt
 
     def _average_gradients(self, batch_size: int) -> int:
         """All-reduce the gradients weighted by each rank's batch; returns the site's
@@ -392,12 +417,22 @@ class SiteOptimizer:
             dht.shutdown()
             raise
         try:
+            if self._local_opt is not None and not isinstance(
+                getattr(swarm, "inner_optimizer", None), torch.optim.Optimizer
+            ):
+                raise ValidationError(
+                    "local_optimizer mirrors the swarm optimizer's inner_optimizer (as "
+                    f"DiLoCoOptimizer has); {type(swarm).__name__} has none"
+                )
             if self._standby is not None:
                 state = self._standby
                 if isinstance(swarm, DiLoCoOptimizer) and self._local_opt is not None:
                     # our mirror of the inner optimizer is fresher than the last epoch's
                     state = {**state, "inner": self._local_opt.state_dict()}
                 swarm.load_state_dict(state)
+                # the swarm's state is at least as fresh as the site's last epoch: take it
+                # (with nobody else in the swarm this returns at once, keeping ours)
+                swarm.load_state_from_peers()
         except BaseException:
             swarm.shutdown()
             dht.shutdown()
@@ -595,6 +630,16 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         count = tensor.numel()
         tensor.copy_(flat[offset : offset + count].view_as(tensor))
         offset += count
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors in a fixed order (parameters, then keys)."""
+    found = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            found += [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+    return found
 
 
 def _checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
