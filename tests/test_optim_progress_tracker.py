@@ -155,3 +155,52 @@ def test_epoch_claimed_far_ahead_cannot_stall_the_swarm():
         finally:
             for opt in opts:
                 opt.shutdown()
+
+
+def test_reports_far_from_the_epochs_end_are_spaced_but_a_new_epoch_goes_out_at_once():
+    """A record per step was most of what a DiLoCo peer sent; far from the epoch's end
+    others extrapolate our rate, so more samples in the same epoch wait (up to half the
+    time left), while a new epoch is published at once."""
+    import time
+
+    from optim_helpers import wait_until
+
+    from swarmgrad.utils.loop_thread import run_coroutine
+
+    with dht_swarm(2) as dhts:
+        tracker = ProgressTracker(dhts[0], RUN, target_batch_size=100_000, start=True)
+        other = ProgressTracker(dhts[1], RUN, target_batch_size=100_000, start=True)
+        node = dhts[0].node
+        stores = []
+        original = node.store
+
+        async def counting_store(key, *args, **kwargs):
+            if key == tracker.training_progress_key:
+                stores.append(time.monotonic())
+            return await original(key, *args, **kwargs)
+
+        node.store = counting_store
+        try:
+            for step in range(40):  # 40 steps of 10 samples in 2 s: an ETA of hours
+                tracker.report_local_progress(0, 10 * (step + 1))
+                other.report_local_progress(0, 10 * (step + 1))  # a rate of its own
+                time.sleep(0.05)
+                if step in (5, 10):
+                    tracker.refresh(timeout=5)  # the swarm's ETA, now that rates are known
+            assert tracker._report_interval() > 5.0
+            assert len(stores) <= 8, f"{len(stores)} records for 40 steps"
+
+            before = len(stores)
+            with tracker.pause_updates():
+                tracker.update_epoch(1)
+            wait_until(lambda: len(stores) > before, 3, "the new epoch's record")
+
+            def epoch_seen() -> bool:
+                run_coroutine(other._fetch_once(), timeout=5)
+                return any(r.epoch == 1 for r in other._last_records.values())
+
+            wait_until(epoch_seen, 10, "the other peer reading epoch 1")
+        finally:
+            node.store = original
+            for t in (tracker, other):
+                t.shutdown(timeout=5)

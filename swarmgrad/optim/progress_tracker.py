@@ -144,6 +144,7 @@ class ProgressTracker:
         )
         self.fetched_global_progress_this_epoch = threading.Event()
         self._report_now: asyncio.Event | None = None
+        self._epoch_moved: asyncio.Event | None = None  # a report that must not wait
         self._fetch_now: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
         self._task: Any = None
@@ -256,7 +257,10 @@ class ProgressTracker:
                 self.performance_ema.update(task_size=extra)
             else:
                 self.performance_ema.reset_timer()
+            moved = local_epoch != self.local_progress.epoch
             self.local_progress = self._make_local_progress(local_epoch, samples_accumulated)
+        if moved:
+            self._set_soon("_epoch_moved")
         self._set_soon("_report_now")
 
     @contextlib.contextmanager
@@ -339,6 +343,7 @@ class ProgressTracker:
 
     async def _run(self, ready: threading.Event) -> None:
         self._report_now, self._fetch_now = asyncio.Event(), asyncio.Event()
+        self._epoch_moved = asyncio.Event()
         self._stop = asyncio.Event()
         try:
             await self._fetch_once()
@@ -356,14 +361,35 @@ class ProgressTracker:
             stopper.cancel()
             logger.log(self.status_loglevel, "%s: no longer tracking progress", self.prefix)
 
+    def _report_interval(self) -> float:
+        """How long a report of more samples in the same epoch may wait: half the time
+        left in the epoch (at most ``max_refresh_period``). Others extrapolate our
+        samples from our rate, so far from the epoch's end one report every few seconds
+        tells them as much as one per step; near the end (and before anyone measured a
+        rate) reports go out at once. A report per step was most of the bytes a DiLoCo
+        peer sent (benchmarks/slow_links.py)."""
+        eta = self.global_progress.eta_next_epoch - get_dht_time()
+        if not math.isfinite(eta) or eta <= 0:
+            return 0.0
+        return min(self.rules.max_refresh_period, eta / 2)
+
     async def _reporter(self) -> None:
-        assert self._report_now is not None
+        assert self._report_now is not None and self._epoch_moved is not None
+        loop = asyncio.get_running_loop()
         self._report_now.set()  # say hello at once: joiners are counted from the start
+        published_epoch, published_at = None, -math.inf
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.metadata_expiration / 2):
                     await self._report_now.wait()
             self._report_now.clear()
+            if self.local_progress.epoch == published_epoch:
+                hold = published_at + self._report_interval() - loop.time()
+                if hold > 0:  # more samples only: wait, unless the epoch moves meanwhile
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(hold):
+                            await self._epoch_moved.wait()
+            self._epoch_moved.clear()
             progress = self.local_progress
             node = self.dht.node
             if node is None:
@@ -378,6 +404,7 @@ class ProgressTracker:
                     )
             except (Exception, TimeoutError) as e:
                 logger.debug("%s: publishing progress failed: %r", self.prefix, e)
+            published_epoch, published_at = progress.epoch, loop.time()
 
     async def _fetcher(self) -> None:
         assert self._fetch_now is not None
