@@ -83,6 +83,7 @@ def main() -> None:
         )
     except SiteMismatch as e:
         say(event="mismatch", message=str(e))
+        dist.destroy_process_group()  # a live gloo group at exit may abort the process
         return
 
     generator = torch.Generator().manual_seed(hash(args.site) % 1000 + rank)
@@ -92,8 +93,8 @@ def main() -> None:
             last, steps_in_epoch = site.local_epoch, 0
             peers = site.swarm.tracker.global_progress.num_peers if site.is_speaker else None
             say(event="epoch", epoch=last, params=_flat(model), members=site.members, peers=peers)
-        if site.is_speaker and last == args.kill_speaker_at and steps_in_epoch == 3:
-            say(event="dying")
+        if rank == 0 and 0 <= args.kill_speaker_at <= last and steps_in_epoch == 3:
+            say(event="dying", epoch=last)
             os.kill(os.getpid(), signal.SIGKILL)
         x = torch.randn(8, 8, generator=generator)
         y = torch.stack([x[:, 0] + x[:, 1], x[:, 2] - x[:, 3]], dim=1)
