@@ -146,6 +146,11 @@ def run_mode(
 ) -> dict:
     """One swarm of ``args.peers`` peers in ``mode`` until the swarm reaches ``epochs``."""
     log_dir = Path(args.log_dir) if args.log_dir else None
+    # about a dozen points on the loss curve (gradient modes: ~1.5 steps per peer per epoch)
+    if per_peer_samples is not None:
+        evaluate_every = max(1, per_peer_samples // 16 // 18)
+    else:
+        evaluate_every = max(1, epochs // 12)
     prefix, hub = net.host(None)
     procs: list[Proc] = []
     try:
@@ -163,7 +168,7 @@ def run_mode(
                 "--host", host, "--initial-peers", address, "--seed", str(i),
                 "--peers", str(args.peers), "--epochs", str(epochs),
                 "--step-sleep", str(args.step_sleep),
-                "--evaluate-every", str(max(1, epochs // 12)),
+                "--evaluate-every", str(evaluate_every),
             ]  # fmt: skip
             if i == 0:
                 argv.append("--evaluate")
@@ -187,7 +192,7 @@ def run_mode(
                 if int(kill_at) in reached and time.time() > reached[int(kill_at)]["time"] + (
                     kill_at % 1
                 ) * args.epoch_estimate:
-                    killed_epoch = max(victim.epochs())
+                    killed_epoch = max(peers[0].epochs())  # the swarm's outer step
                     victim.kill()
             time.sleep(0.1)
         wall = time.time() - began
