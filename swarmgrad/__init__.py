@@ -55,6 +55,7 @@ _LAZY = {
     "GradScaler": "swarmgrad.optim",
     "ProgressTracker": "swarmgrad.optim",
     "GradientAverager": "swarmgrad.optim",
+    "PowerSGDGradientAverager": "swarmgrad.optim",
     "TrainingStateAverager": "swarmgrad.optim",
 }
 

@@ -348,6 +348,108 @@ def test_a_member_crashing_mid_round_leaves_correct_partial_averages_and_no_hang
         assert torch.allclose(sets[i][0], mean, atol=1e-5)
 
 
+# ---------------------------------------------------------------------- aggregate hook
+
+
+def test_an_aggregate_hook_runs_several_phases_in_the_group_it_was_given():
+    """``aggregate`` replaces the round's one all-reduce: here a first phase averages a
+    vector of another size with equal weights, a second the averaged tensors with the
+    step's weights, both in the same group; phase names are checked and unique."""
+    sets = [tensors_of(80 + i) for i in range(3)]
+    weights = [1.0, 2.0, 5.0]
+    expected = mean_of(snapshot(sets), weights)
+    extras = [[torch.full((7,), float(i))] for i in range(3)]
+    seen = []
+
+    def hook(extra):
+        async def aggregate(current):
+            with pytest.raises(ValidationError, match="phase must be 1-32 letters"):
+                await current.allreduce(extra, phase="no spaces")
+            first = await current.allreduce(extra, phase="extra", weight=1.0)
+            with pytest.raises(ValidationError, match="phase 'extra' already ran"):
+                await current.allreduce(extra, phase="extra")
+            second = await current.allreduce(current.tensors, phase="main")
+            seen.append((current.weight, current.contributes, first, second))
+
+        return aggregate
+
+    async def main(network):
+        per_peer = [{"aggregate": hook(e), "aggregate_tag": "two phases"} for e in extras]
+        nodes, avgs = await start_swarm(network, sets, seed=10, per_peer=per_peer)
+        results = await asyncio.gather(
+            *(
+                a.step(gather=i, timeout=20, weight=w)
+                for i, (a, w) in enumerate(zip(avgs, weights, strict=True))
+            )
+        )
+        last = [a.last_result for a in avgs]
+        await stop(nodes, avgs)
+        return results, last
+
+    results, last = simulate(main)
+    assert all(sorted(r.values()) == [0, 1, 2] for r in results)
+    assert all(r.fully_averaged and len(r.averaged_spans) == 3 for r in last)
+    assert sorted(weight for weight, *_ in seen) == weights and all(c for _, c, *_ in seen)
+    for _, _, first, second in seen:
+        assert first.averaged == (True,) and second.averaged == (True, True, True)
+        assert first.result.group_id != second.result.group_id  # a stream id per phase
+    for extra in extras:
+        assert torch.equal(extra[0], torch.full((7,), 1.0))
+    for ts in sets:
+        assert_close(ts, expected)
+
+
+def test_a_member_that_skips_a_phase_costs_the_others_only_its_part_of_that_phase():
+    """Peer 2 runs phase "a" and stops; peers 0 and 1 go on to phase "b". They wait for
+    it a bounded time, then average "b" between themselves; the span peer 2 would have
+    reduced stays local. Nothing hangs."""
+    sets = [[torch.full((30,), float(i))] for i in range(3)]
+    later = [[torch.full((600,), 10.0 * i)] for i in range(3)]
+    record = {}
+
+    def hook(index):
+        async def aggregate(current):
+            await current.allreduce(current.tensors, phase="a")
+            if index == 2:
+                return
+            record[index] = (
+                await current.allreduce(later[index], phase="b"),
+                current.plan.span_sizes_for(600),
+                current.plan.group.peer_ids,
+            )
+
+        return aggregate
+
+    async def main(network):
+        per_peer = [{"aggregate": hook(i), "aggregate_tag": "skips"} for i in range(3)]
+        nodes, avgs = await start_swarm(network, sets, seed=11, per_peer=per_peer)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        results = await asyncio.gather(*(a.step(timeout=60) for a in avgs))
+        took = loop.time() - started
+        ids = [a.peer.peer_id for a in avgs]
+        last = [a.last_result for a in avgs]
+        await stop(nodes, avgs)
+        return results, took, ids, last
+
+    results, took, ids, last = simulate(main)
+    assert took < 30 and all(r is not None for r in results)
+    for ts in sets:  # phase "a" had everyone
+        assert torch.allclose(ts[0], torch.full((30,), 1.0))
+    for i in (0, 1):
+        phase, spans, order = record[i]
+        assert phase.averaged == (False,)  # part of the tensor stayed local
+        assert ids[2] in phase.result.failed_reducers
+        assert not last[i].fully_averaged and ids[2] in last[i].failed_reducers
+        start = 0
+        for owner, size in zip(order, spans, strict=True):
+            piece = later[i][0][start : start + size]
+            want = 10.0 * i if owner == ids[2] else 5.0  # local, or the mean of 0 and 1
+            assert torch.allclose(piece, torch.full_like(piece, want)), (owner, piece)
+            start += size
+    assert torch.equal(later[2][0], torch.full((600,), 20.0))  # never ran "b"
+
+
 def test_a_lonely_peer_gives_up_at_its_deadline_and_leaves_its_tensors_alone():
     sets = [tensors_of(70)]
     before = snapshot(sets)
@@ -372,6 +474,9 @@ def test_a_lonely_peer_gives_up_at_its_deadline_and_leaves_its_tensors_alone():
 
 
 def test_bad_arguments_are_refused_with_a_clear_error():
+    async def noop(current):
+        pass
+
     async def main(network):
         nodes = await build_dht_swarm(network, 1, random.Random(0))
         peer, node = nodes[0].peer, nodes[0]
@@ -390,6 +495,11 @@ def test_bad_arguments_are_refused_with_a_clear_error():
             "alpha": lambda: make(averaging_alpha=0),
             "bandwidth": lambda: make(bandwidth=-1.0),
             "timeout": lambda: make(allreduce_timeout=0),
+            "hook without tag": lambda: make(aggregate=noop),
+            "tag without hook": lambda: make(aggregate_tag="plain?"),
+            "empty tag": lambda: make(aggregate=noop, aggregate_tag=""),
+            "long tag": lambda: make(aggregate=noop, aggregate_tag="x" * 201),
+            "hook": lambda: make(aggregate=5, aggregate_tag="five"),
         }
         messages = {}
         for name, build in cases.items():
@@ -419,6 +529,11 @@ def test_bad_arguments_are_refused_with_a_clear_error():
     assert "averaging_alpha" in messages["alpha"]
     assert "bandwidth" in messages["bandwidth"]
     assert "allreduce_timeout" in messages["timeout"]
+    assert "aggregate and aggregate_tag go together" in messages["hook without tag"]
+    assert "aggregate and aggregate_tag go together" in messages["tag without hook"]
+    assert "aggregate_tag must not be empty" in messages["empty tag"]
+    assert "aggregate_tag must be printable text of at most 200" in messages["long tag"]
+    assert "aggregate must be a coroutine function, got 5" in messages["hook"]
 
 
 # ---------------------------------------------------------------------- the facade, real DHTs

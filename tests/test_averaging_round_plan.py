@@ -16,6 +16,7 @@ from swarmgrad.averaging.round_plan import (
     decode_member_info,
     encode_member_info,
     plan_round,
+    schema_digest,
 )
 from swarmgrad.net.identity import Identity
 from swarmgrad.utils.errors import ProtocolViolation, ValidationError
@@ -26,7 +27,7 @@ SCHEMA_A = [["float32", [6, 5]], ["float64", [17]]]
 SCHEMA_B = [["float32", [6, 4]], ["float64", [17]]]
 
 
-def info(mode=NODE, schema=SCHEMA_A, bandwidth=None, gather=None, maddrs=(), weight=1.0):
+def info(mode=NODE, schema=SCHEMA_A, bandwidth=None, gather=None, maddrs=(), weight=1.0, tag=""):
     numel = sum(_numel(shape) for _, shape in schema)
     return encode_member_info(
         mode=mode,
@@ -36,6 +37,7 @@ def info(mode=NODE, schema=SCHEMA_A, bandwidth=None, gather=None, maddrs=(), wei
         numel=numel,
         maddrs=maddrs,
         gather=gather,
+        aggregate_tag=tag,
     )
 
 
@@ -83,6 +85,15 @@ def test_a_large_schema_travels_as_its_digest_only():
         ({"v": 1, "mode": 0, "bw": None, "w": float("nan")}, "weight nan"),
         ({"v": 1, "mode": 0, "bw": None, "w": 1, "sd": b"short"}, "schema digest"),
         ({"v": 1, "mode": 0, "bw": None, "w": 1, "sd": b"d" * 32, "nt": -1}, "tensor count"),
+        (
+            {"v": 1, "mode": 0, "bw": None, "w": 1, "sd": b"d" * 32, "nt": 1, "ne": 1, "agg": 3},
+            "aggregate tag",
+        ),
+        (
+            {"v": 1, "mode": 0, "bw": None, "w": 1, "sd": b"d" * 32, "nt": 1, "ne": 1}
+            | {"agg": "x" * 201},
+            "aggregate tag",
+        ),
     ],
 )
 def test_malformed_announcements_are_refused_naming_the_member_and_field(body, complaint):
@@ -109,7 +120,7 @@ def test_any_bytes_decode_or_raise_protocol_violation(data):
     )
 )
 def test_any_msgpack_value_in_a_field_decodes_or_raises_protocol_violation(value):
-    for field in ("v", "mode", "bw", "w", "sd", "nt", "ne", "schema", "maddrs"):
+    for field in ("v", "mode", "bw", "w", "sd", "nt", "ne", "schema", "maddrs", "agg"):
         body = msgpack.unpackb(info())
         body[field] = value
         try:
@@ -163,6 +174,33 @@ def test_the_odd_one_out_gets_a_mismatch_error_and_a_tie_only_skips_the_round():
     fewer = group(info(schema=SCHEMA_A[:1]), info(), info())
     with pytest.raises(GroupMismatch, match="1 tensors here, 2 at"):
         plan_round(fewer, IDS[0])
+
+
+def test_members_that_combine_tensors_differently_never_average_together():
+    """A custom aggregation (e.g. PowerSGD) is announced as a tag that enters the
+    digest: the same tensors averaged another way are as incompatible as other tensors,
+    and the error says how they differ."""
+    plain = decode_member_info(IDS[0], info())
+    assert plain.aggregate_tag == "" and plain.schema_digest == schema_digest(SCHEMA_A)
+    tagged = decode_member_info(IDS[0], info(tag="PowerSGD rank 2"))
+    assert tagged.aggregate_tag == "PowerSGD rank 2" and tagged.schema == SCHEMA_A
+    assert tagged.schema_digest == schema_digest(SCHEMA_A, "PowerSGD rank 2") != plain.schema_digest
+
+    mixed = group(info(tag="PowerSGD rank 2"), info(), info(tag="PowerSGD rank 2"), info())
+    plans = [plan_round(mixed, peer_id) for peer_id in IDS[:4]]
+    assert plans[0].group.peer_ids == (IDS[0], IDS[2])
+    assert plans[1].group.peer_ids == (IDS[1], IDS[3])
+    assert plans[0].left_out[IDS[1]] == (
+        f"its tensors differ from ours: this peer averages with 'PowerSGD rank 2', {IDS[1]} "
+        "with plain averaging"
+    )
+    rank4, rank2 = info(tag="PowerSGD rank 4"), info(tag="PowerSGD rank 2")
+    with pytest.raises(GroupMismatch) as error:
+        plan_round(group(rank4, rank2, rank2), IDS[0])
+    assert f"averages with 'PowerSGD rank 4', {IDS[1]} with 'PowerSGD rank 2'" in str(error.value)
+    for bad in ("x" * 201, "tab\there", 3):
+        with pytest.raises(ValidationError, match="aggregate_tag must be printable text"):
+            info(tag=bad)
 
 
 def test_malformed_members_are_left_out_and_nothing_to_do_skips_the_round():

@@ -52,6 +52,8 @@ _EXTRA_OPTIONS = {
     "state_sharing_options",
     "state_download_options",
     "rng",
+    "aggregate",
+    "aggregate_tag",
 }
 _IGNORED_OPTIONS = {"daemon"}  # hivemind forks a process; nothing is forked here
 
@@ -98,7 +100,10 @@ class DecentralizedAverager:
         in the DHT.
       shutdown_timeout: bound on :meth:`shutdown`.
       kwargs: ``timeouts``, ``max_gather_bytes``, ``rotate_group_bits``,
-        ``state_sharing_options``, ``state_download_options``, ``rng`` (see
+        ``state_sharing_options``, ``state_download_options``, ``rng``, ``aggregate``
+        and ``aggregate_tag`` (a coroutine function run in each formed group instead of
+        the plain all-reduce, for averaging in several phases, and the text that keeps
+        peers with another one apart; see
         :class:`~.averager_core.AsyncDecentralizedAverager`); ``daemon`` is accepted and
         ignored.
     """

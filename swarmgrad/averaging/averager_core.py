@@ -16,6 +16,11 @@ One step, as long as its deadline and ``allow_retries`` allow:
 4. **All-reduce** (:class:`~.allreduce.AllReduceRunner`) in place on the tensors, holding
    their lock for the whole round (taken in a worker thread, see :mod:`.tensor_lock`).
    The runner applies ``averaging_alpha`` and only ever writes whole, checked spans.
+   With ``aggregate`` (a coroutine function), step 4 is that coroutine instead: it gets
+   an :class:`AveragingRound` and may run several all-reduces ("phases") over tensors
+   of its choosing in the same group, one after the other, under the same lock and
+   deadline (PowerSGD averages its two factors this way, see
+   :mod:`swarmgrad.optim.power_sgd_averager`).
 
 A step returns the members' ``gather`` data when the round averaged something with
 someone (spans of failed owners stay local, excluded senders are left out: see
@@ -31,11 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import random
+import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,9 +56,16 @@ from swarmgrad.averaging.allreduce import (
     GroupMismatch,
 )
 from swarmgrad.averaging.deadlines import AdaptiveTimeouts
+from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.matchmaking import Matchmaking
 from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES, tensor_schema
-from swarmgrad.averaging.round_plan import RoundPlan, RoundSkipped, encode_member_info, plan_round
+from swarmgrad.averaging.round_plan import (
+    RoundPlan,
+    RoundSkipped,
+    check_aggregate_tag,
+    encode_member_info,
+    plan_round,
+)
 from swarmgrad.averaging.state_chunks import resolve_state_compression
 from swarmgrad.averaging.state_download import load_state_from_peers
 from swarmgrad.averaging.state_sharing import StateSharing
@@ -61,13 +76,15 @@ from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.peer import Peer
 from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
-__all__ = ["AsyncDecentralizedAverager"]
+__all__ = ["AsyncDecentralizedAverager", "AveragingRound", "PhaseResult"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_GROUP_SIZE = 256  # target_group_size=None: as many as matchmaking gathers
 _AVERAGEABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MIN_SEARCH_WINDOW = 30.0  # seconds one matchmaking attempt lasts when a step has no timeout
+_PHASE_TAG = b"swarmgrad.averaging.phase:"
+_PHASE_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
 
 def check_averaged_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -126,7 +143,12 @@ class AsyncDecentralizedAverager:
     for the parameters).
 
     Extra arguments: ``get_state`` (returns ``(metadata, tensors)`` for state sharing;
-    default :meth:`get_current_state`), ``lock`` (the tensors' reentrant lock),
+    default :meth:`get_current_state`), ``aggregate`` (``async def aggregate(round:
+    AveragingRound) -> None``, run in each formed group instead of the one all-reduce of
+    ``averaged_tensors``) with ``aggregate_tag`` (short text naming what it computes and
+    with which settings, e.g. ``"PowerSGD rank 4 ..."``: announced in matchmaking, so
+    that only members with the same tag average together, see
+    :mod:`~.round_plan`), ``lock`` (the tensors' reentrant lock),
     ``timeouts`` (an :class:`~.deadlines.AdaptiveTimeouts` template), ``max_gather_bytes``,
     ``rotate_group_bits``, ``state_sharing_options`` and ``state_download_options``
     (keyword arguments of :class:`~.state_sharing.StateSharing` and
@@ -162,6 +184,8 @@ class AsyncDecentralizedAverager:
         declare_state_period: float = 30.0,
         client_mode: bool = False,
         get_state: Callable[[], Any] | None = None,
+        aggregate: Callable[[AveragingRound], Awaitable[None]] | None = None,
+        aggregate_tag: str | None = None,
         state_priority: float = 0.0,
         lock: Any = None,
         timeouts: AdaptiveTimeouts | None = None,
@@ -175,6 +199,19 @@ class AsyncDecentralizedAverager:
         self._detached = [t.detach() for t in self.tensors]
         self.schema = tensor_schema(self._detached)
         self.total_size = sum(t.numel() for t in self._detached)
+        if aggregate is not None and not callable(aggregate):
+            raise ValidationError(f"aggregate must be a coroutine function, got {aggregate!r}")
+        if (aggregate is None) != (aggregate_tag is None):
+            # a hook without a tag would average with peers that run another one (or none)
+            raise ValidationError(
+                "aggregate and aggregate_tag go together: the tag tells peers how this one "
+                f"combines its tensors (got aggregate={aggregate!r}, aggregate_tag="
+                f"{aggregate_tag!r})"
+            )
+        if aggregate_tag is not None and not check_aggregate_tag(aggregate_tag):
+            raise ValidationError("aggregate_tag must not be empty")
+        self._aggregate = aggregate
+        self.aggregate_tag = aggregate_tag or ""
         if not isinstance(averaging_alpha, int | float) or not 0 < averaging_alpha <= 1:
             raise ValidationError(f"averaging_alpha must be in (0, 1], got {averaging_alpha!r}")
         if type(part_size_bytes) is not int or part_size_bytes <= 0:
@@ -482,6 +519,7 @@ class AsyncDecentralizedAverager:
             numel=self.total_size,
             maddrs=maddrs,
             gather=gather,
+            aggregate_tag=self.aggregate_tag,
         )
         group = await self.matchmaking.look_for_group(
             data_for_gather=data,
@@ -559,20 +597,15 @@ class AsyncDecentralizedAverager:
                 budget -= loop.time() - started
                 if budget <= 0:
                     return None
-            runner = AllReduceRunner(
-                self.peer,
-                plan.group,
-                self._detached,
-                span_sizes=plan.span_sizes,
-                modes=plan.modes,
-                weight=None if self.mode is AveragingMode.AUX else weight,
-                part_size_bytes=self.part_size_bytes,
-                compression=self.compression,
-                timeouts=self._timeouts_for_round(),
-                timeout=budget,
-                averaging_alpha=self.averaging_alpha,
-            )
-            return await runner.run()
+            if self._aggregate is None:
+                runner = self._runner(
+                    plan, plan.group, self._detached, plan.span_sizes, weight, budget
+                )
+                return await runner.run()
+            deadline = None if budget is None else loop.time() + budget
+            current = AveragingRound(self, plan, weight, deadline)
+            await self._aggregate(current)
+            return current.merged_result()
         except (SwarmgradError, OSError) as e:
             # GroupMismatch here means a member announced our schema but sent other
             # tensors: its fault, not ours; the step may try another group.
@@ -581,8 +614,158 @@ class AsyncDecentralizedAverager:
         finally:
             self._lock_holder.release()
 
+    def _runner(
+        self,
+        plan: RoundPlan,
+        group: GroupInfo,
+        tensors: Sequence[torch.Tensor],
+        span_sizes: Sequence[int],
+        weight: float,
+        budget: float | None,
+    ) -> AllReduceRunner:
+        return AllReduceRunner(
+            self.peer,
+            group,
+            tensors,
+            span_sizes=span_sizes,
+            modes=plan.modes,
+            weight=None if self.mode is AveragingMode.AUX else weight,
+            part_size_bytes=self.part_size_bytes,
+            compression=self.compression,
+            timeouts=self._timeouts_for_round(),
+            timeout=budget,
+            averaging_alpha=self.averaging_alpha,
+        )
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.peer.peer_id}, prefix={self.prefix!r})"
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """One all-reduce of an :class:`AveragingRound`: what the runner did, and for each
+    tensor of the phase whether it now holds the group's average in full (every span it
+    overlaps was averaged; always False on an auxiliary peer, whose tensors never
+    change). Members that hold a tensor in full hold the same values."""
+
+    result: AllReduceResult
+    averaged: tuple[bool, ...]
+
+
+class AveragingRound:
+    """A formed group, handed to a custom ``aggregate`` coroutine (see
+    :class:`AsyncDecentralizedAverager`) while the averaged tensors' lock is held.
+
+    ``tensors`` are the averager's tensors; ``weight`` is the step's weight;
+    ``contributes`` is False on an auxiliary peer. :meth:`allreduce` averages any
+    tensors (the same shapes and dtypes on every member) in this group; each call is a
+    *phase* with a name unique within the round, which every member must run in the
+    same order with the same tensor shapes. Phases share the round's deadline and use
+    the averager's part size, codec and ``averaging_alpha``.
+
+    A member that has not yet started a phase when another member's parts for it
+    arrive is waited for (the router's grace, a few seconds); one that never starts it
+    is dropped from that phase like a failed member, so a member that skips a phase
+    costs the others only its spans of that phase.
+    """
+
+    def __init__(
+        self,
+        core: AsyncDecentralizedAverager,
+        plan: RoundPlan,
+        weight: float,
+        deadline: float | None,
+    ):
+        self._core = core
+        self.plan = plan
+        self.weight = float(weight)
+        self.contributes = core.mode is not AveragingMode.AUX
+        self.tensors: Sequence[torch.Tensor] = tuple(core._detached)
+        self._deadline = deadline
+        self._phases: dict[str, PhaseResult | None] = {}
+
+    async def allreduce(
+        self, tensors: Sequence[torch.Tensor], *, phase: str, weight: float | None = None
+    ) -> PhaseResult:
+        """Average ``tensors`` in place in this group with ``weight`` (default: the
+        round's). Spans that could not be averaged keep their local values."""
+        if not isinstance(phase, str) or not _PHASE_NAME.fullmatch(phase):
+            raise ValidationError(f"phase must be 1-32 letters, digits, '_' or '-', got {phase!r}")
+        if phase in self._phases:
+            raise ValidationError(f"phase {phase!r} already ran in this round")
+        self._phases[phase] = None
+        tensors = check_averaged_tensors(tensors)
+        plan, group = self.plan, self.plan.group
+        digest = hashlib.sha256(_PHASE_TAG + group.group_id + phase.encode()).digest()
+        phase_group = GroupInfo(digest[: len(group.group_id)], group.peer_ids, group.gathered)
+        spans = plan.span_sizes_for(sum(t.numel() for t in tensors), self._core.min_vector_size)
+        budget = None
+        if self._deadline is not None:
+            budget = self._deadline - asyncio.get_running_loop().time()
+        if budget is not None and budget <= 0:
+            result = AllReduceResult(
+                group_id=phase_group.group_id,
+                averaged_spans=frozenset(),
+                local_spans=frozenset(
+                    j for j, size in enumerate(spans) if size and self.contributes
+                ),
+                deadline_exceeded=True,
+            )
+        else:
+            weight = self.weight if weight is None else weight
+            runner = self._core._runner(plan, phase_group, tensors, spans, weight, budget)
+            result = await runner.run()
+        averaged = (
+            _tensors_averaged(tensors, spans, result.averaged_spans)
+            if self.contributes
+            else (False,) * len(tensors)
+        )
+        outcome = PhaseResult(result, averaged)
+        self._phases[phase] = outcome
+        return outcome
+
+    def merged_result(self) -> AllReduceResult | None:
+        """The round as one result: a span counts as averaged if no phase kept it local
+        and one averaged it. None if no phase ran."""
+        results = [p.result for p in self._phases.values() if p is not None]
+        if not results:
+            return None
+        local = frozenset().union(*(r.local_spans for r in results))
+        averaged = frozenset().union(*(r.averaged_spans for r in results)) - local
+        excluded: dict[Any, str] = {}
+        failed: dict[Any, str] = {}
+        for r in results:
+            for peer_id, why in r.excluded_senders.items():
+                excluded.setdefault(peer_id, why)
+            for peer_id, why in r.failed_reducers.items():
+                failed.setdefault(peer_id, why)
+        return AllReduceResult(
+            group_id=self.plan.group.group_id,
+            averaged_spans=averaged,
+            local_spans=local,
+            excluded_senders=excluded,
+            failed_reducers=failed,
+            deadline_exceeded=any(r.deadline_exceeded for r in results),
+        )
+
+
+def _tensors_averaged(
+    tensors: Sequence[torch.Tensor], spans: Sequence[int], averaged_spans: frozenset[int]
+) -> tuple[bool, ...]:
+    """For each tensor of a flat vector cut into ``spans``: do all the spans it overlaps
+    hold the average?"""
+    bounds, start = [], 0
+    for j, size in enumerate(spans):
+        bounds.append((start, start + size, j))
+        start += size
+    flags, offset = [], 0
+    for tensor in tensors:
+        end = offset + tensor.numel()
+        flags.append(
+            all(j in averaged_spans for lo, hi, j in bounds if hi > lo and lo < end and hi > offset)
+        )
+        offset = end
+    return tuple(flags)
 
 
 def _averaged_with_someone(plan: RoundPlan, me: Any, result: AllReduceResult) -> bool:

@@ -4,8 +4,15 @@ Matchmaking passes opaque bytes around (``GroupInfo.gathered``); the averager fi
 with a :class:`MemberInfo` (msgpack map, version ``v``; unknown fields are ignored)::
 
     {"v": 1, "mode": 0 | 1 | 2, "bw": float | None, "w": float,
-     "sd": bytes (SHA-256 of the tensor schema), "nt": int, "ne": int,
-     "schema": [[dtype, shape], ...] | None, "maddrs": [str], "gather": any}
+     "sd": bytes (SHA-256 of the tensor schema and the aggregate tag), "nt": int,
+     "ne": int, "schema": [[dtype, shape], ...] | None, "agg": str (optional),
+     "maddrs": [str], "gather": any}
+
+``agg`` names a custom aggregation (the averager's ``aggregate_tag``, e.g. PowerSGD of
+some rank): members that combine their tensors differently cannot average together even
+when the tensors match, so the tag is part of the digest and they are kept apart exactly
+like members with other tensors. A peer that does not know the field still compares the
+digest.
 
 Every member of a group receives the same GroupInfo, so every member derives the same
 :class:`RoundPlan` from it, without another message: who takes part (members whose
@@ -57,11 +64,19 @@ __all__ = [
 INFO_VERSION = 1
 MAX_SCHEMA_BYTES = 16 * 1024  # a full schema larger than this travels as its digest only
 MAX_MADDRS = 8
+MAX_TAG_CHARS = 200
 _SUBGROUP_TAG = b"swarmgrad.averaging.subgroup:"
 
 
-def schema_digest(schema: Sequence[Sequence[Any]]) -> bytes:
-    return hashlib.sha256(msgpack.packb(schema, use_bin_type=True)).digest()
+def schema_digest(schema: Sequence[Sequence[Any]], aggregate_tag: str = "") -> bytes:
+    return _digest(msgpack.packb(schema, use_bin_type=True), aggregate_tag)
+
+
+def _digest(packed_schema: bytes, aggregate_tag: str) -> bytes:
+    digest = hashlib.sha256(packed_schema)
+    if aggregate_tag:  # plain averaging keeps the digest it always had
+        digest.update(b"\0aggregate:" + aggregate_tag.encode())
+    return digest.digest()
 
 
 @dataclass(frozen=True)
@@ -78,9 +93,13 @@ class MemberInfo:
     schema: list | None = None
     maddrs: tuple[Multiaddr, ...] = ()
     gather: Any = None
+    aggregate_tag: str = ""  # "": plain averaging
 
     def describe_tensors(self) -> str:
         return f"{self.num_tensors} tensors of {self.numel} elements in all"
+
+    def describe_aggregation(self) -> str:
+        return repr(self.aggregate_tag) if self.aggregate_tag else "plain averaging"
 
 
 def encode_member_info(
@@ -92,28 +111,42 @@ def encode_member_info(
     numel: int,
     maddrs: Sequence[Any] = (),
     gather: Any = None,
+    aggregate_tag: str = "",
 ) -> bytes:
     """This member's gathered bytes. ValidationError if ``gather`` is not msgpack-able."""
     schema = [list(entry) for entry in schema]
     packed_schema = msgpack.packb(schema, use_bin_type=True)
+    check_aggregate_tag(aggregate_tag)
     body = {
         "v": INFO_VERSION,
         "mode": mode.value,
         "bw": None if bandwidth is None else float(bandwidth),
         "w": float(weight),
-        "sd": hashlib.sha256(packed_schema).digest(),
+        "sd": _digest(packed_schema, aggregate_tag),
         "nt": len(schema),
         "ne": int(numel),
         "schema": schema if len(packed_schema) <= MAX_SCHEMA_BYTES else None,
         "maddrs": [str(m) for m in maddrs][:MAX_MADDRS],
         "gather": gather,
     }
+    if aggregate_tag:
+        body["agg"] = aggregate_tag
     try:
         return msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise ValidationError(
             f"gather must be msgpack-serializable (numbers, str, bytes, lists, dicts): {e}"
         ) from None
+
+
+def check_aggregate_tag(tag: Any) -> str:
+    """A tag is short printable text; "" means plain averaging."""
+    if not isinstance(tag, str) or len(tag) > MAX_TAG_CHARS or not tag.isprintable():
+        raise ValidationError(
+            f"aggregate_tag must be printable text of at most {MAX_TAG_CHARS} characters, "
+            f"got {tag!r:.80}"
+        )
+    return tag
 
 
 def _number(value: Any, what: str, who: PeerID) -> float:
@@ -155,6 +188,13 @@ def decode_member_info(peer_id: PeerID, data: bytes) -> MemberInfo:
     schema = body.get("schema")
     if schema is not None and not isinstance(schema, list):
         raise ProtocolViolation(f"{peer_id} announced a schema that is not a list")
+    aggregate_tag = body.get("agg", "")
+    try:
+        check_aggregate_tag(aggregate_tag)
+    except ValidationError:
+        raise ProtocolViolation(
+            f"{peer_id} announced an aggregate tag that is not short printable text"
+        ) from None
     raw_maddrs = body.get("maddrs", [])
     if not isinstance(raw_maddrs, list):
         raise ProtocolViolation(f"{peer_id} announced addresses that are not a list")
@@ -177,6 +217,7 @@ def decode_member_info(peer_id: PeerID, data: bytes) -> MemberInfo:
         schema=schema,
         maddrs=tuple(maddrs),
         gather=body.get("gather"),
+        aggregate_tag=aggregate_tag,
     )
 
 
@@ -193,6 +234,12 @@ class RoundPlan:
     @property
     def gathered(self) -> dict[PeerID, Any]:
         return {info.peer_id: info.gather for info in self.members}
+
+    def span_sizes_for(self, numel: int, min_vector_size: int = 0) -> tuple[int, ...]:
+        """How ``numel`` elements split among the members by the rule of
+        :attr:`span_sizes`: for another vector averaged in the same group (every member
+        derives the same split, as for the first)."""
+        return _span_sizes(self.members, numel, min_vector_size)
 
 
 class RoundSkipped(ValidationError):
@@ -245,9 +292,7 @@ def plan_round(group: GroupInfo, me: PeerID, *, min_vector_size: int = 0) -> Rou
         raise RoundSkipped("every member is auxiliary: nobody contributes tensors")
     if all(mode is AveragingMode.CLIENT for mode in modes):
         raise RoundSkipped("every member is in client mode: nobody can reduce")
-    bandwidths = [0.0 if info.mode is AveragingMode.CLIENT else info.bandwidth for info in members]
-    senders = [info.mode is not AveragingMode.AUX for info in members]
-    span_sizes = load_balance_peers(mine.numel, bandwidths, min_vector_size, senders=senders)
+    span_sizes = _span_sizes(members, mine.numel, min_vector_size)
     if len(taking_part) == len(group.peer_ids):
         part_group = group
     else:
@@ -260,8 +305,20 @@ def plan_round(group: GroupInfo, me: PeerID, *, min_vector_size: int = 0) -> Rou
     return RoundPlan(part_group, members, modes, tuple(span_sizes), left_out)
 
 
+def _span_sizes(members: Sequence[MemberInfo], numel: int, min_vector_size: int) -> tuple[int, ...]:
+    bandwidths = [0.0 if info.mode is AveragingMode.CLIENT else info.bandwidth for info in members]
+    senders = [info.mode is not AveragingMode.AUX for info in members]
+    return tuple(load_balance_peers(numel, bandwidths, min_vector_size, senders=senders))
+
+
 def describe_mismatch(mine: MemberInfo, theirs: MemberInfo) -> str:
-    """The first difference between two members' tensors, for an error message."""
+    """The first difference between two members' tensors (or the way they combine
+    them), for an error message."""
+    if mine.aggregate_tag != theirs.aggregate_tag:
+        return (
+            f"this peer averages with {mine.describe_aggregation()}, {theirs.peer_id} with "
+            f"{theirs.describe_aggregation()}"
+        )
     if isinstance(mine.schema, list) and isinstance(theirs.schema, list):
         if len(mine.schema) != len(theirs.schema):
             return f"{len(mine.schema)} tensors here, {len(theirs.schema)} at {theirs.peer_id}"

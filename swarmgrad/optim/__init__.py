@@ -7,6 +7,7 @@ from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFact
 from swarmgrad.optim.grad_scaler import GradScaler
 from swarmgrad.optim.optimizer import Optimizer
 from swarmgrad.optim.performance_ema import PerformanceEMA
+from swarmgrad.optim.power_sgd_averager import PowerSGDGradientAverager
 from swarmgrad.optim.progress import (
     GlobalTrainingProgress,
     LocalTrainingProgress,
@@ -25,6 +26,7 @@ __all__ = [
     "LocalTrainingProgress",
     "Optimizer",
     "PerformanceEMA",
+    "PowerSGDGradientAverager",
     "ProgressTracker",
     "TrainingProgressSchema",
     "TrainingStateAverager",
