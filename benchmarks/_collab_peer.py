@@ -22,6 +22,12 @@ def say(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def dump(value, path: str) -> None:
+    """torch.save, atomically: the driver may read the file as soon as it appears."""
+    torch.save(value, path + ".part")
+    os.replace(path + ".part", path)
+
+
 def efficiency_model() -> torch.nn.Module:
     """About 10M parameters (9.45M)."""
     return torch.nn.Sequential(
@@ -138,7 +144,7 @@ def main() -> None:
             say(event="epoch", epoch=last_epoch, time=time.time(), samples=samples, loss=loss)
             if args.dump_dir:
                 flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-                torch.save(flat, os.path.join(args.dump_dir, f"{args.seed}_{last_epoch}.pt"))
+                dump(flat, os.path.join(args.dump_dir, f"{args.seed}_{last_epoch}.pt"))
         loss = compute()
         opt.step()
         opt.zero_grad()
@@ -146,7 +152,7 @@ def main() -> None:
     say(event="epoch", epoch=opt.local_epoch, time=time.time(), samples=samples, loss=loss)
     if args.dump_dir:
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        torch.save(flat, os.path.join(args.dump_dir, f"{args.seed}_{opt.local_epoch}.pt"))
+        dump(flat, os.path.join(args.dump_dir, f"{args.seed}_{opt.local_epoch}.pt"))
         if args.task == "digits":
             torch.save(model.state_dict(), os.path.join(args.dump_dir, f"model_{args.seed}.pt"))
     say(event="done")

@@ -341,8 +341,11 @@ def measure_churn(python: str, args) -> dict:
             # its first update: the first epoch after joining that both the joiner and a
             # survivor began (a joiner that had to download again may skip one)
             first_update = min(e for e in joiner.epochs if e > joined and e in survivors[0].epochs)
-            mine = torch.load(os.path.join(tmp, f"4_{first_update}.pt"))
-            theirs = torch.load(os.path.join(tmp, f"0_{first_update}.pt"))
+            paths = [os.path.join(tmp, f"{seed}_{first_update}.pt") for seed in (4, 0)]
+            deadline = time.monotonic() + 30  # the epoch's line is printed before its dump
+            while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            mine, theirs = (torch.load(p) for p in paths)
             gap = float((mine - theirs).abs().max())
             return {
                 "kill_recovery_s": recovery,

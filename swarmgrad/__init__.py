@@ -56,6 +56,7 @@ _LAZY = {
     "ProgressTracker": "swarmgrad.optim",
     "GradientAverager": "swarmgrad.optim",
     "PowerSGDGradientAverager": "swarmgrad.optim",
+    "SiteOptimizer": "swarmgrad.optim",
     "TrainingStateAverager": "swarmgrad.optim",
 }
 

@@ -1,6 +1,7 @@
 """Collaborative training: progress tracking, gradient and state averagers, the
 ``Optimizer`` that trains one model across the swarm (DeDLOC), and ``DiLoCoOptimizer``
-for slow links (DiLoCo, Streaming DiLoCo)."""
+for slow links (DiLoCo, Streaming DiLoCo), PowerSGD, and sites of ``torch.distributed``
+ranks that take part as one peer."""
 
 from swarmgrad.optim.diloco import DiLoCoOptimizer
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
@@ -15,6 +16,7 @@ from swarmgrad.optim.progress import (
     aggregate_progress,
 )
 from swarmgrad.optim.progress_tracker import ProgressTracker
+from swarmgrad.optim.site import SiteError, SiteMismatch, SiteOptimizer
 from swarmgrad.optim.state_averager import TrainingStateAverager
 
 __all__ = [
@@ -28,6 +30,9 @@ __all__ = [
     "PerformanceEMA",
     "PowerSGDGradientAverager",
     "ProgressTracker",
+    "SiteError",
+    "SiteMismatch",
+    "SiteOptimizer",
     "TrainingProgressSchema",
     "TrainingStateAverager",
     "aggregate_progress",
