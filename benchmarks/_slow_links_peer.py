@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _tiny_lm import TinyGPT, random_windows, split, stdlib_corpus, validation_loss  # noqa: E402
+from _tiny_lm import TinyGPT, random_windows, split, stdlib_corpus, validation_loss
 
 
 def say(**fields) -> None:

@@ -15,8 +15,8 @@ Runs with no arguments (about 5-8 minutes here) and prints a table, then one JSO
   a fifth joins at epoch 5. Reported: the time from the kill to the next epoch the
   survivors complete, whether any epoch was lost from the kill on (a survivor skipping
   or re-running an epoch; a peer that lags at start-up and catches up by a download
-  also skips one, which is not the kill's cost), and whether the joiner's parameters equal the others' (1e-6) after its first
-  update.
+  also skips one, which is not the kill's cost), and whether the joiner's parameters
+  equal the others' (1e-6) after its first update.
 
 JSON keys: ``efficiency``, ``hivemind_efficiency`` (or null), ``loss_ratio_vs_single``,
 ``kill_recovery_s``, ``joiner_synced``, ``epochs_lost``, and the figures behind them.
@@ -334,9 +334,7 @@ def measure_churn(python: str, args) -> dict:
                 worker.wait_epoch(10, 240)
             next_epochs = [w.epochs[killed_epoch + 1]["time"] for w in survivors]
             recovery = min(next_epochs) - killed_at
-            lost = sum(
-                1 for w in survivors for e in range(killed_epoch, 10) if e not in w.epochs
-            )
+            lost = sum(1 for w in survivors for e in range(killed_epoch, 10) if e not in w.epochs)
             joined = min(e for e in joiner.epochs if e > 0)
             # its first update: the first epoch after joining that both the joiner and a
             # survivor began (a joiner that had to download again may skip one)

@@ -71,7 +71,7 @@ class Proc:
     def __init__(self, argv: list[str], log_path: Path | None):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -189,9 +189,11 @@ def run_mode(
             samples_log.append((time.time(), net.sent()))
             if victim is not None and killed_epoch is None:
                 reached = peers[0].epochs()
-                if int(kill_at) in reached and time.time() > reached[int(kill_at)]["time"] + (
-                    kill_at % 1
-                ) * args.epoch_estimate:
+                if (
+                    int(kill_at) in reached
+                    and time.time()
+                    > reached[int(kill_at)]["time"] + (kill_at % 1) * args.epoch_estimate
+                ):
                     killed_epoch = max(peers[0].epochs())  # the swarm's outer step
                     victim.kill()
             time.sleep(0.1)
