@@ -63,8 +63,35 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds between status log lines",
     )
+    add_admission_arguments(parser)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     parser.set_defaults(run=run)
+
+
+def add_admission_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--authority-key`` and ``--access-token``, shared by the commands that start a peer."""
+    parser.add_argument(
+        "--authority-key",
+        "--authority_key",
+        default=None,
+        help="admit only peers with tokens from this authority (its public key 12D3KooW..., "
+        "or a file holding it, e.g. authority.pub); none: an open swarm",
+    )
+    parser.add_argument(
+        "--access-token",
+        "--access_token",
+        default=None,
+        help="this peer's token file (from swarmgrad authority issue), re-read to renew",
+    )
+
+
+def admission_kwargs(authority_key: str | None, access_token: str | None) -> dict:
+    """DHT keyword arguments for the admission flags (none for an open swarm)."""
+    if authority_key is None:
+        if access_token is not None:
+            raise ValueError("--access-token needs --authority-key")
+        return {}
+    return {"authority": authority_key, "access_token": access_token}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             identity_path=args.identity_path,
             allow_relay=not args.no_relay,
             start=True,
+            **admission_kwargs(args.authority_key, args.access_token),
         )
     except (SwarmgradError, OSError, ValueError) as e:
         print(f"swarmgrad dht: could not start: {e}", flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from swarmgrad.cli import demo_command, dht_command, server_command
+from swarmgrad.cli import authority_command, demo_command, dht_command, server_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     dht_command.add_parser(commands)
     server_command.add_parser(commands)
     demo_command.add_parser(commands)
+    authority_command.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -35,6 +35,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from swarmgrad.cli.dht_command import admission_kwargs
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
 logger = logging.getLogger("swarmgrad.cli.server")
@@ -72,6 +73,8 @@ DEFAULTS: dict[str, Any] = {
     "host_maddrs": ["/ip4/0.0.0.0/tcp/0"],
     "announce_maddrs": [],
     "identity_path": None,
+    "authority_key": None,
+    "access_token": None,
     "num_handlers": None,
     "increase_file_limit": False,
     "log_level": "INFO",
@@ -138,6 +141,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     option("host-maddrs", nargs="+", help="addresses to listen on (tcp/0 picks a port)")
     option("announce-maddrs", nargs="*", help="public addresses to advertise (behind NAT)")
     option("identity-path", help="ed25519 key file (created if missing): a stable PeerID")
+    option("authority-key", help="admit only peers with tokens from this authority (12D3KooW...)")
+    option("access-token", help="this server's token file (swarmgrad authority issue)")
     option("update-period", type=float, help="seconds between re-declarations in the DHT")
     option("expiration", type=float, help="lifetime of a declaration (default 2 x period, >= 60)")
     group = parser.add_argument_group("misc")
@@ -244,6 +249,7 @@ def server_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
         host_maddrs=settings["host_maddrs"],
         announce_maddrs=settings["announce_maddrs"],
         identity_path=settings["identity_path"],
+        **admission_kwargs(settings["authority_key"], settings["access_token"]),
     )
 
 

@@ -32,6 +32,9 @@ _PEER_OPTIONS = {
     "keepalive_interval",
     "idle_timeout",
     "allow_relay",
+    "authority",
+    "access_token",
+    "identity",
 }
 
 
@@ -44,6 +47,11 @@ class DHT:
     initial peers acting as relays. Other keyword arguments go to
     :class:`~swarmgrad.dht.node.DHTNode` (bucket_size, num_replicas, wait_timeout,
     cache_size, ...) or to the peer (max_message_size, dial_timeout, allow_relay, ...).
+
+    ``authority=`` (the authority's public key ``12D3KooW...``, a file holding it, or an
+    :class:`~swarmgrad.net.admission.Admission`) makes this a peer of an admission-
+    controlled swarm; ``access_token=`` is its token (a file re-read to renew, a callable,
+    or a token). See ``docs/security.md``.
     """
 
     def __init__(

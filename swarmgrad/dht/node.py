@@ -16,6 +16,9 @@ What it does, in the order a reader meets it:
   random id in every farther bucket, as the Kademlia paper's join does: our buckets fill,
   the nodes there add us, and a small swarm is connected nearly pairwise before its first
   lookups (which would otherwise each wait for new connections).
+* **Admission** (when the peer has an authority): the authority's revocation list is
+  read from the DHT and enforced (:mod:`swarmgrad.dht.revocation`); a peer whose token
+  role may not store (a monitor) stores nothing, not even path caches.
 * **Maintenance**: bucket refresh, hand-off of records to newly joined nodes that are
   nearer to them than we are, a blacklist with exponential backoff for nodes that fail.
 
@@ -46,6 +49,7 @@ from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.peer import Peer
 from swarmgrad.net.rpc import RPCContext
 from swarmgrad.utils.errors import (
+    AccessDenied,
     PeerUnreachable,
     ProtocolViolation,
     RemoteError,
@@ -159,6 +163,13 @@ class DHTNode:
         self.clock_skew_warning = clock_skew_warning
         self.time_fn = time_fn
         self.protocol_validator = CompositeValidator([record_validator] if record_validator else [])
+        admission = peer.admission
+        self._revocations: Any = None  # a RevocationWatcher, with an admission authority
+        self._may_store = admission is None or admission.allows(admission.role, protocol.STORE)
+        if admission is not None:
+            from swarmgrad.dht.revocation import RevocationListValidator
+
+            self.protocol_validator.extend([RevocationListValidator(admission)])
         self.routing = RoutingTable(self.node_id, bucket_size, depth_modulo)
         limits = dict(
             max_value_bytes=max_value_bytes,
@@ -186,6 +197,7 @@ class DHTNode:
         self._tasks: set[asyncio.Task] = set()
         self._background: list[asyncio.Task] = []
         self._handoff_queue: set[PeerID] = set()
+        self._bootstrap_failures: dict[PeerID, BaseException] | None = None
         self._closed = False
         self.lookup_hops: list[int] = []  # statistics for benchmarks and tests
         # refresh targets: drawn per node (seeded by its id), so a seeded simulation repeats
@@ -212,6 +224,11 @@ class DHTNode:
             await node.shutdown()
             raise
         node._background.append(node._loop.create_task(node._maintain()))
+        if peer.admission is not None:
+            from swarmgrad.dht.revocation import RevocationWatcher
+
+            node._revocations = RevocationWatcher(node, peer.admission)
+            node._revocations.start()
         return node
 
     def _register_handlers(self) -> None:
@@ -230,12 +247,21 @@ class DHTNode:
             try:
                 async with asyncio.timeout(timeout):
                     peer_id = await self.peer.connect(address)
-                    return await self.ping(peer_id)
+                    if await self.ping(peer_id):
+                        return True
+                    why = self._bootstrap_failures.pop(peer_id, None) or "no answer to ping"
+                    errors.append(f"{address} ({why})")
+                    return False
             except (SwarmgradError, OSError, TimeoutError, ValueError) as e:
                 errors.append(f"{address} ({e or type(e).__name__})")
                 return False
 
-        joined = await asyncio.gather(*(join(a) for a in initial_peers))
+        self._bootstrap_failures = {}
+
+        try:
+            joined = await asyncio.gather(*(join(a) for a in initial_peers))
+        finally:
+            self._bootstrap_failures = None
         if not any(joined):
             raise PeerUnreachable(
                 "could not reach any initial peer: " + "; ".join(errors or map(str, initial_peers))
@@ -256,6 +282,8 @@ class DHTNode:
         if self._closed:
             return
         self._closed = True
+        if self._revocations is not None:
+            await self._revocations.close()
         for name in (protocol.PING, protocol.STORE, protocol.FIND):
             self.peer.remove_handler(name)
         for task in [*self._background, *self._tasks]:
@@ -383,10 +411,14 @@ class DHTNode:
             response = await self.peer.call(peer_id, name, request, timeout=self.wait_timeout)
         except RemoteError as e:  # it answered, but not as a DHT node (e.g. a client)
             logger.debug("%s refused %s: %s", peer_id, name, e)
+            if self._bootstrap_failures is not None:
+                self._bootstrap_failures[peer_id] = e
             self._forget(peer_id)
             return None
         except (SwarmgradError, OSError, TimeoutError) as e:
             logger.debug("%s to %s failed: %s", name, peer_id, e)
+            if self._bootstrap_failures is not None:  # joining: say why an initial peer failed
+                self._bootstrap_failures[peer_id] = e
             self.blacklist.register_failure(peer_id)
             self._forget(peer_id)
             return None
@@ -559,6 +591,13 @@ class DHTNode:
         subkeys: Sequence[Any] | None = None,
         exclude_self: bool = False,
     ) -> dict[Any, bool]:
+        if not self._may_store:
+            raise AccessDenied(
+                f"this peer's access token has the role {self.peer.admission.role.value}, "
+                "which may not store in the DHT",
+                remote_type="AccessDenied",
+                peer=self.peer_id,
+            )
         if isinstance(expiration_time, int | float):
             expiration_time = [expiration_time] * len(keys)
         subkeys = subkeys or [None] * len(keys)
@@ -636,6 +675,8 @@ class DHTNode:
         return StoreItem(key_bytes, subkey_bytes, signed, float(expiration_time))
 
     async def _store_remote(self, peer_id: PeerID, items: list[StoreItem]) -> list[str | None]:
+        if not self._may_store:  # path caching and hand-off of a monitor: not allowed
+            return ["this peer's role may not store"] * len(items)
         response = await self._call(peer_id, protocol.STORE, protocol.encode_store(items))
         if response is None:
             return ["unreachable"] * len(items)

@@ -20,6 +20,10 @@ protocol versions it speaks and a fresh 32-byte nonce. Two ways to prove identit
   replayed nor relayed into another session. The dialer's HELLO, AUTH and first request
   leave together with its TLS Finished: the answer comes back in the next flight.
 
+In a swarm with an admission authority, HELLO also carries the sender's access token
+(:mod:`swarmgrad.net.admission`); the connection checks it before AUTH, and a dialer on a
+TLS carrier checks the listener's token, carried in its certificate, before it signs.
+
 This module is pure: it builds and checks messages, no I/O.
 """
 
@@ -50,19 +54,21 @@ class Hello:
     features: tuple[str, ...]
     initial_window: int
     max_frame: int
+    token: bytes | None = None  # the sender's access token (swarmgrad.net.admission), if any
 
     def encode(self) -> bytes:
-        return msgpack.packb(
-            {
-                "v": self.version,
-                "min_v": self.min_version,
-                "id": self.peer_id.to_bytes(),
-                "nonce": self.nonce,
-                "features": list(self.features),
-                "window": self.initial_window,
-                "max_frame": self.max_frame,
-            }
-        )
+        fields = {
+            "v": self.version,
+            "min_v": self.min_version,
+            "id": self.peer_id.to_bytes(),
+            "nonce": self.nonce,
+            "features": list(self.features),
+            "window": self.initial_window,
+            "max_frame": self.max_frame,
+        }
+        if self.token is not None:
+            fields["token"] = self.token
+        return msgpack.packb(fields)
 
     @classmethod
     def decode(cls, payload: bytes) -> Hello:
@@ -78,13 +84,14 @@ class Hello:
             peer_id = PeerID(_bytes_field(raw, "id"))
             features = tuple(str(f) for f in raw.get("features", ()))
             window, max_frame = _int_field(raw, "window"), _int_field(raw, "max_frame")
+            token = _bytes_field(raw, "token") if "token" in raw else None
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolViolation(f"HELLO is missing or has a malformed field: {e!r}") from None
         if len(nonce) != NONCE_SIZE:
             raise ProtocolViolation(f"HELLO nonce must be {NONCE_SIZE} bytes, got {len(nonce)}")
         if not (1024 <= window <= 2**31) or not (1024 <= max_frame <= 2**31):
             raise ProtocolViolation(f"HELLO window {window} or max_frame {max_frame} out of range")
-        return cls(peer_id, version, min_version, nonce, features, window, max_frame)
+        return cls(peer_id, version, min_version, nonce, features, window, max_frame, token)
 
 
 def _int_field(raw: dict, name: str) -> int:
@@ -103,7 +110,9 @@ def _bytes_field(raw: dict, name: str) -> bytes:
     return value
 
 
-def make_hello(identity: Identity, *, initial_window: int, max_frame: int) -> Hello:
+def make_hello(
+    identity: Identity, *, initial_window: int, max_frame: int, token: bytes | None = None
+) -> Hello:
     return Hello(
         peer_id=identity.peer_id,
         version=PROTOCOL_VERSION,
@@ -112,6 +121,7 @@ def make_hello(identity: Identity, *, initial_window: int, max_frame: int) -> He
         features=FEATURES,
         initial_window=initial_window,
         max_frame=max_frame,
+        token=token,
     )
 
 

@@ -38,6 +38,7 @@ from swarmgrad.net.handshake import (
 )
 from swarmgrad.net.identity import Identity, PeerID
 from swarmgrad.utils.errors import (
+    AdmissionRefused,
     ConnectionClosed,
     ConnectionIdleClosed,
     HandshakeError,
@@ -61,6 +62,8 @@ EARLY_WINDOW = 256 * 1024
 EARLY_MAX_FRAME = 64 * 1024
 # Payload bytes at most copied out of the scratch buffer; larger remainders get their own.
 _SMALL_PAYLOAD = 16 * 1024
+# GOAWAY reasons that start with this are admission refusals (swarmgrad.net.admission)
+ADMISSION_REFUSED = "admission refused"
 # Bytes of replies the remote provokes (PONG, refusing RESET) we queue while it does not
 # read: beyond this, a PING or OPEN flood would grow our write buffer without bound.
 _PAUSED_REPLY_LIMIT = 1024 * 1024
@@ -382,8 +385,10 @@ class Connection(asyncio.BufferedProtocol):
         max_frame: int = DEFAULT_MAX_FRAME,
         initial_window: int = DEFAULT_WINDOW,
         max_inbound_streams: int = 4096,
+        admission: Any = None,
     ):
         self._identity = identity
+        self._admission = admission  # swarmgrad.net.admission.Admission, or None: open swarm
         self.is_dialer = is_dialer
         self._expected_peer_id = expected_peer_id
         self._on_stream = on_stream
@@ -402,7 +407,13 @@ class Connection(asyncio.BufferedProtocol):
         self.remote_peer_id: PeerID | None = None
         self.remote_address: Any = None
         self.version: int | None = None
-        self._our_hello = make_hello(identity, initial_window=initial_window, max_frame=max_frame)
+        self._our_hello = make_hello(
+            identity,
+            initial_window=initial_window,
+            max_frame=max_frame,
+            token=admission.token_bytes if admission is not None else None,
+        )
+        self.remote_token: Any = None  # the remote's AccessToken, once admitted
         self._their_hello: Hello | None = None
         self._authenticated = False
         self._channel_binding: bytes | None = None  # set: the handshake is bound to TLS
@@ -512,6 +523,9 @@ class Connection(asyncio.BufferedProtocol):
     def open_stream(self, header: bytes = b"") -> Stream:
         """Open a new stream; header (at most 64 KiB) tells the remote what it is for."""
         if self._dead:
+            reason = self.closed.result() if self.closed.done() else None
+            if isinstance(reason, AdmissionRefused):  # say why, not only that it is closed
+                raise AdmissionRefused(str(reason), reason=reason.reason)
             raise ConnectionClosed(f"connection to {self._peer_name()} is closed")
         if not self._authenticated:
             raise ConnectionClosed(f"connection to {self._peer_name()} is not yet established")
@@ -692,6 +706,9 @@ class Connection(asyncio.BufferedProtocol):
         elif not self._authenticated:
             if kind == FrameType.GOAWAY:
                 reason = payload.decode("utf-8", "replace")
+                if reason.startswith(ADMISSION_REFUSED):
+                    logger.warning("admission: %s refused us: %s", self._peer_name(), reason)
+                    raise _refusal_from(self._peer_name(), reason)
                 error_cls = IncompatibleVersion if "version" in reason else HandshakeError
                 raise error_cls(f"{self._peer_name()} refused the handshake: {reason}")
             raise ProtocolViolation(f"{self._peer_name()} sent {kind.name} before the handshake")
@@ -720,8 +737,12 @@ class Connection(asyncio.BufferedProtocol):
                 waiter.set_result(None)
         elif kind == FrameType.GOAWAY:
             reason = payload.decode("utf-8", "replace")
-            error_cls = ConnectionIdleClosed if reason == IDLE_REASON else ConnectionClosed
-            self._teardown(error_cls(f"{self._peer_name()} closed the connection: {reason}"))
+            if reason.startswith(ADMISSION_REFUSED):
+                logger.warning("admission: %s refused us: %s", self._peer_name(), reason)
+                self._teardown(_refusal_from(self._peer_name(), reason))
+            else:
+                error_cls = ConnectionIdleClosed if reason == IDLE_REASON else ConnectionClosed
+                self._teardown(error_cls(f"{self._peer_name()} closed the connection: {reason}"))
             self.transport.close()
 
     def _open_bound_dialer(self) -> None:
@@ -731,6 +752,10 @@ class Connection(asyncio.BufferedProtocol):
         if listener is None:
             raise HandshakeError(f"the TLS channel to {self.remote_address} named no identity")
         self._check_remote_identity(listener)
+        if self._admission is not None:
+            # TLS carried the listener's token in its certificate: check it before our
+            # proof and first request leave (see swarmgrad.net.tls)
+            self._admit(self.transport.get_extra_info("tls_admission_token"), listener)
         proof = sign_bound_auth(self._identity, self._our_hello, listener, self._channel_binding)
         self._send_control(FrameType.AUTH, 0, proof)
         self._remote_max_frame, self._remote_window = EARLY_MAX_FRAME, EARLY_WINDOW
@@ -762,6 +787,9 @@ class Connection(asyncio.BufferedProtocol):
             raise
         self._check_remote_identity(hello.peer_id)
         bound = self._channel_binding is not None
+        if self._admission is not None and not (bound and self.is_dialer):
+            # the identity claimed here is proven by AUTH, which must come before any stream
+            self._admit(hello.token, hello.peer_id)
         if bound and (hello.initial_window < EARLY_WINDOW or hello.max_frame < EARLY_MAX_FRAME):
             raise ProtocolViolation(
                 f"{self._peer_name()} offered window {hello.initial_window} and max_frame "
@@ -778,6 +806,33 @@ class Connection(asyncio.BufferedProtocol):
             # streams we opened on the assumed early window get the rest of the real one
             for stream in self._streams.values():
                 stream._on_credit(extra_credit)
+
+    def _admit(self, token: bytes | None, peer_id: PeerID) -> None:
+        """Check the remote's access token; refuse the connection, saying why, if it does
+        not admit the remote."""
+        try:
+            self.remote_token = self._admission.check(token, peer_id)
+        except AdmissionRefused as e:
+            logger.warning(
+                "admission: refused %s at %s (%s): %s", peer_id, self.remote_address, e.reason, e
+            )
+            message = f"{ADMISSION_REFUSED} ({e.reason}) by {self._identity.peer_id}: {e}"
+            self._send_control(FrameType.GOAWAY, 0, message.encode()[:1024])
+            raise AdmissionRefused(
+                f"refused {peer_id} at {self.remote_address}: {e}", reason=e.reason
+            ) from None
+
+    def refuse(self, reason: str, message: str) -> None:
+        """Close an admitted connection whose admission ended (its token expired or was
+        revoked), telling the remote why; its calls fail with AdmissionRefused."""
+        if self._dead:
+            return
+        text = f"{ADMISSION_REFUSED} ({reason}) by {self._identity.peer_id}: {message}"
+        self._send_control(FrameType.GOAWAY, 0, text.encode()[:1024])
+        self._teardown(AdmissionRefused(f"closed {self._peer_name()}: {message}", reason=reason))
+        transport = self.transport or self.carrier
+        if transport is not None:
+            transport.close()
 
     def _on_auth(self, payload: bytes) -> None:
         if self._their_hello is None or self._authenticated:
@@ -860,3 +915,13 @@ class Connection(asyncio.BufferedProtocol):
             self.closed.set_result(exc)
         if self._on_close is not None:
             self._on_close(self)
+
+
+def _refusal_from(peer_name: str, goaway_reason: str) -> AdmissionRefused:
+    """The AdmissionRefused a refused side raises, from the refuser's GOAWAY text
+    ``admission refused (<reason>) by <peer>: <details>``."""
+    reason = None
+    rest = goaway_reason[len(ADMISSION_REFUSED) :]
+    if rest.startswith(" (") and ")" in rest:
+        reason = rest[2 : rest.index(")")]
+    return AdmissionRefused(f"{peer_name} refused us: {goaway_reason}", reason=reason)

@@ -5,6 +5,11 @@ Every subsystem of a process (DHT, expert server, averagers) registers handlers 
 existing connection or a known address) or by multiaddr. Concurrent dials to the same
 peer share one connection, and a connection opened by either side is reused by both.
 
+With an admission authority (``authority=``, see :mod:`swarmgrad.net.admission`) every
+connection is admitted in its handshake and every inbound call is checked against the
+caller's role; a background task renews this peer's token and closes connections whose
+token expired or was revoked.
+
 The peer runs on any backend: :class:`~swarmgrad.net.tcp.TCPBackend` (real TCP + TLS) or
 the simulated network; the protocol code above never knows which.
 """
@@ -18,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from swarmgrad.net import relay, rpc
+from swarmgrad.net.admission import Admission, make_admission
 from swarmgrad.net.identity import Identity, PeerID
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.mux import IDLE_REASON, Connection, Stream
@@ -35,6 +41,7 @@ from swarmgrad.utils.errors import (
 logger = logging.getLogger(__name__)
 
 RAW_PROTOCOL_PREFIX = b"\x00raw:"  # stream headers of non-RPC protocols (e.g. relays)
+RENEW_TOKEN = "admission.renew"  # a peer presents its renewed token on a live connection
 MAX_ADDRESSES_PER_PEER = 16
 
 
@@ -56,8 +63,12 @@ class Peer:
         keepalive_interval: float | None = 30.0,
         keepalive_timeout: float = 20.0,
         idle_timeout: float | None = 300.0,
+        admission: Admission | None = None,
     ):
         self.identity = identity
+        self.admission = admission
+        if admission is not None:
+            admission.bind(identity.peer_id)  # first: refuses a token that cannot work
         self.peer_id: PeerID = identity.peer_id
         self.client_mode = client_mode
         self.max_message_size = max_message_size
@@ -91,6 +102,12 @@ class Peer:
             self._keepalive = asyncio.ensure_future(self._keep_connections_alive())
         self.relay_client: relay.RelayClient | None = None  # reservations (client mode)
         self.relay_service: relay.RelayService | None = None  # relaying for others
+        self._admission_task: asyncio.Task | None = None
+        if admission is not None:
+            if hasattr(backend, "admission_token"):
+                backend.admission_token = lambda: admission.token_bytes
+            self.add_handler(RENEW_TOKEN, self._rpc_renew_token)
+            self._admission_task = asyncio.ensure_future(self._maintain_admission())
 
     # ------------------------------------------------------------------ construction
 
@@ -105,9 +122,16 @@ class Peer:
         relays: Iterable[str | Multiaddr] = (),
         allow_relay: bool = True,
         relay_wait_timeout: float = 30.0,
+        authority: Any = None,
+        access_token: Any = None,
         **kwargs: Any,
     ) -> Peer:
         """Start a peer.
+
+        With ``authority`` (the authority's public key, its file, or an
+        :class:`~swarmgrad.net.admission.Admission`) the peer admits only peers presenting
+        a valid token from that authority, and presents ``access_token`` (a token file,
+        re-read to renew; a callable; a token) itself.
 
         With ``client_mode=True`` no listener is opened; the peer then keeps reservations on
         ``relays`` (public peers) so that others can call it through them, and waits up to
@@ -122,6 +146,9 @@ class Peer:
             from swarmgrad.net.tcp import TCPBackend
 
             backend = TCPBackend(identity)
+        admission = make_admission(authority, access_token)
+        if admission is not None:
+            kwargs["admission"] = admission
         peer = cls(identity, backend, **kwargs)
         try:
             if not peer.client_mode:
@@ -298,6 +325,7 @@ class Peer:
             expected_peer_id=expected_peer_id,
             on_stream=self._on_stream,
             on_close=self._on_connection_closed,
+            admission=self.admission,
         )
         self._all_connections.add(conn)
         conn.handshake_done.add_done_callback(lambda f: self._on_handshake(conn, f))
@@ -353,6 +381,11 @@ class Peer:
             if fn is None:
                 stream.reset(f"unknown protocol {name!r}")
                 return
+            if self.admission is not None:
+                denied = self._access_denied(stream, name)
+                if denied is not None:
+                    stream.reset(f"access denied: {denied}")
+                    return
             try:
                 await fn(stream)
             except SwarmgradError as e:
@@ -365,6 +398,19 @@ class Peer:
             stream.reset(str(e))
             return
         remote = stream.remote_peer_id
+        if self.admission is not None:
+            denied = self._access_denied(stream, name)
+            if denied is not None:
+                await rpc.serve_call(
+                    stream,
+                    self._handlers.get(name),
+                    handler_name=name,
+                    timeout=timeout,
+                    max_message_size=self.max_message_size,
+                    refuse_reason=denied,
+                    refuse_type="AccessDenied",
+                )
+                return
         inflight = self._inflight
         in_flight = inflight.get(remote, 0)
         refuse = None
@@ -389,6 +435,80 @@ class Peer:
                 inflight[remote] = left
             else:
                 del inflight[remote]
+
+    def _access_denied(self, stream: Stream, name: str) -> str | None:
+        """Why the caller's role may not call ``name`` here, or None if it may."""
+        token = stream.conn.remote_token
+        role = token.role if token is not None else None
+        if self.admission.allows(role, name):
+            return None
+        role_name = role.value if role is not None else "no role"
+        logger.warning(
+            "admission: refused %r to %s (role %s does not allow it)", name, stream.remote_peer_id,
+            role_name,
+        )  # fmt: skip
+        return (
+            f"the {role_name} token of {stream.remote_peer_id} does not allow calling {name!r} "
+            f"on {self.peer_id}"
+        )
+
+    # ------------------------------------------------------------------ admission upkeep
+
+    async def _rpc_renew_token(self, request: Any, context: rpc.RPCContext) -> dict:
+        """The caller presents its renewed token for the connection it calls on."""
+        raw = request.get("token") if isinstance(request, dict) else None
+        if not isinstance(raw, bytes):
+            raise ValidationError("admission.renew expects {'token': <token bytes>}")
+        token = self.admission.check(raw, context.remote_id)
+        conn = context.stream.conn
+        if conn.remote_token is None or token.expires_at >= conn.remote_token.expires_at:
+            conn.remote_token = token
+        return {"ok": True}
+
+    async def _maintain_admission(self) -> None:
+        while True:
+            await asyncio.sleep(self.admission.check_interval)
+            try:
+                await self.admission_tick()
+            except Exception:
+                logger.exception("admission upkeep failed; trying again in %s s",
+                                 self.admission.check_interval)  # fmt: skip
+
+    async def admission_tick(self) -> None:
+        """Renew our token if due (and present the new one on every live connection),
+        then close connections whose remote token expired or was revoked. Runs every
+        ``check_interval`` seconds; tests call it directly."""
+        admission = self.admission
+        if admission.needs_renewal() and await admission.renew():
+            context = getattr(self._backend, "_server_context", None)
+            if context is not None:
+                context()  # build the certificate with the new token before it is needed
+            request = {"token": admission.token_bytes}
+            live = [pid for pid, conn in self._connections.items() if conn.is_alive]
+            results = await asyncio.gather(
+                *(self.call(pid, RENEW_TOKEN, request, timeout=10.0) for pid in live),
+                return_exceptions=True,
+            )
+            for pid, result in zip(live, results, strict=True):
+                if isinstance(result, BaseException):
+                    logger.debug("could not present the renewed token to %s: %s", pid, result)
+        self.enforce_admission()
+
+    def enforce_admission(self) -> int:
+        """Close every connection whose remote token no longer admits it; how many."""
+        closed = 0
+        for conn in list(self._all_connections):
+            token = conn.remote_token
+            if token is None or not conn.is_alive:
+                continue
+            problem = self.admission.problem_with(token)
+            if problem is not None:
+                reason, message = problem
+                logger.warning("admission: closing the connection to %s: %s",
+                               conn.remote_peer_id, message)  # fmt: skip
+                conn.refuse(reason.value, message)
+                closed += 1
+        return closed
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = self._loop.create_task(coro)
@@ -519,9 +639,10 @@ class Peer:
         if self._closed:
             return
         self._closed = True
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            await asyncio.gather(self._keepalive, return_exceptions=True)
+        for task in (self._keepalive, self._admission_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.relay_client is not None:
             await self.relay_client.close()
         await self._backend.close()

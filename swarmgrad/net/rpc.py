@@ -32,6 +32,7 @@ from swarmgrad.net.framing import ResetCode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.mux import Stream
 from swarmgrad.utils.errors import (
+    AccessDenied,
     ConnectionClosed,
     DeadlineExceeded,
     FrameTooLarge,
@@ -260,6 +261,7 @@ class Handler:
 _ERROR_TYPES: dict[str, type[RemoteError]] = {
     "UnknownHandler": UnknownHandler,
     "Overloaded": Overloaded,
+    "AccessDenied": AccessDenied,
 }
 
 
@@ -290,12 +292,14 @@ async def serve_call(
     timeout: float | None,
     max_message_size: int,
     refuse_reason: str | None = None,
+    refuse_type: str = "Overloaded",
 ) -> None:
-    """Run one inbound call on its stream; never raises (errors go to the caller)."""
+    """Run one inbound call on its stream; never raises (errors go to the caller).
+    With ``refuse_reason`` the call is refused with a ``refuse_type`` error."""
     peer = stream.remote_peer_id
     try:
         if handler is None or refuse_reason is not None:
-            error_type = "UnknownHandler" if handler is None else "Overloaded"
+            error_type = refuse_type if refuse_reason is not None else "UnknownHandler"
             message = refuse_reason or f"no handler named {handler_name!r} on this peer"
             body = {"type": error_type, "message": message}
             await write_message(stream, body, _KIND_ERROR, last=True)

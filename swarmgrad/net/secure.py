@@ -36,7 +36,7 @@ import ssl
 from typing import Any
 
 from swarmgrad.net import records
-from swarmgrad.net.tls import BOUND_HANDSHAKE_ALPNS, FAST_RECORDS_ALPN, peer_id_from_certificate
+from swarmgrad.net.tls import BOUND_HANDSHAKE_ALPNS, FAST_RECORDS_ALPN, certificate_identity
 from swarmgrad.utils.errors import HandshakeError, SwarmgradError
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ class TLSLayer(asyncio.BufferedProtocol):
     The upper protocol's ``connection_made`` is called once the channel is ready; if the
     handshake fails only ``connection_lost`` is called, with a HandshakeError.
     ``get_extra_info("tls_peer_id")`` gives the PeerID proven by the remote certificate
-    (dialer side); ``"peername"`` is forwarded from below; ``"records"`` says which record
+    (dialer side), ``"tls_admission_token"`` the access token its certificate carries (or
+    None); ``"peername"`` is forwarded from below; ``"records"`` says which record
     mode was negotiated.
     """
 
@@ -277,9 +278,9 @@ class TLSLayer(asyncio.BufferedProtocol):
             return
         if not self._server_side:
             try:
-                self._extra["tls_peer_id"] = peer_id_from_certificate(
-                    self._ssl.getpeercert(binary_form=True)
-                )
+                peer_id, token = certificate_identity(self._ssl.getpeercert(binary_form=True))
+                self._extra["tls_peer_id"] = peer_id
+                self._extra["tls_admission_token"] = token
             except HandshakeError as e:
                 self._fail_handshake(e)
                 self._lower.abort()

@@ -37,12 +37,22 @@ class TCPBackend:
     def __init__(self, identity: Identity):
         self._identity = identity
         self._servers: list[asyncio.base_events.Server] = []
+        # set by a Peer with an admission authority: its current access token (wire
+        # bytes), put in the certificate of every connection it accepts
+        self.admission_token: Callable[[], bytes | None] | None = None
+
+    def _server_context(self):
+        token = self.admission_token() if self.admission_token is not None else None
+        return server_ssl_context(self._identity, token)
 
     async def listen(self, maddr: Multiaddr, upper_factory: ProtocolFactory) -> list[Multiaddr]:
         loop = asyncio.get_running_loop()
-        context = server_ssl_context(self._identity)
+        # without admission one context serves all; with it, each connection takes the
+        # context whose certificate carries the current (possibly renewed) token
+        fixed = server_ssl_context(self._identity) if self.admission_token is None else None
 
         def factory() -> TLSLayer:
+            context = fixed if fixed is not None else self._server_context()
             return TLSLayer(context, upper_factory(), server_side=True)
 
         server = await loop.create_server(
@@ -64,8 +74,8 @@ class TCPBackend:
 
     def wrap_relayed(self, upper: asyncio.BaseProtocol, *, server_side: bool) -> TLSLayer:
         """TLS over a stream relayed by a third peer: the relay sees only ciphertext."""
-        make_context = server_ssl_context if server_side else client_ssl_context
-        return TLSLayer(make_context(self._identity), upper, server_side=server_side)
+        context = self._server_context() if server_side else client_ssl_context(self._identity)
+        return TLSLayer(context, upper, server_side=server_side)
 
     async def close(self) -> None:
         for server in self._servers:

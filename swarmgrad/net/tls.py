@@ -10,8 +10,14 @@ The stdlib server cannot ask for a client certificate without also verifying it 
 a CA, so the accepting side does not learn the dialer's identity from TLS; the connection
 handshake above TLS proves it (a signature naming both peers).
 
-SSL contexts are cached per identity: building one (and loading its key) is slow, and a
-context can be shared by any number of connections.
+In a swarm with an admission authority the certificate also carries the listener's access
+token (a non-critical extension, :data:`ADMISSION_TOKEN_OID`), so that a dialer checks it
+as soon as TLS completes, before its own proof and first request leave: no extra round
+trip, and nothing sent to a listener the swarm does not admit. TLS 1.3 encrypts
+certificates, so the token is not visible on the wire.
+
+SSL contexts are cached per identity (and token): building one (and loading its key) is
+slow, and a context can be shared by any number of connections.
 """
 
 from __future__ import annotations
@@ -29,17 +35,19 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed448, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from cryptography.x509.oid import NameOID, SignatureAlgorithmOID
+from cryptography.x509.oid import NameOID, ObjectIdentifier, SignatureAlgorithmOID
 
 from swarmgrad.net.identity import Identity, PeerID
 from swarmgrad.utils.errors import HandshakeError
 
 __all__ = [
+    "ADMISSION_TOKEN_OID",
     "ALPN_PROTOCOL",
     "BOUND_HANDSHAKE_ALPNS",
     "FAST_RECORDS_ALPN",
     "TLS_RECORDS_ENV",
     "client_ssl_context",
+    "certificate_identity",
     "make_self_signed_certificate",
     "peer_id_from_certificate",
     "peer_id_from_ssl_object",
@@ -59,24 +67,30 @@ BOUND_HANDSHAKE_ALPNS = frozenset({FAST_RECORDS_ALPN, ALPN_PROTOCOL})
 TLS_RECORDS_ENV = "SWARMGRAD_TLS_RECORDS"
 """Set to 1 to offer only plain TLS records (for audits and comparisons)."""
 
+ADMISSION_TOKEN_OID = ObjectIdentifier("2.25.196985738979373886627733236052287800552")
+"""X.509 extension holding the certificate owner's access token (a UUID-derived OID)."""
+
 # Volunteers' clocks disagree: make certificates valid well before and long after now.
 _NOT_BEFORE_SLACK = datetime.timedelta(days=1)
 _VALIDITY = datetime.timedelta(days=3650)
 _CONTEXT_CACHE_SIZE = 32
 
 _cache_lock = threading.Lock()
-_context_cache: OrderedDict[tuple[bytes, bool, bool], ssl.SSLContext] = OrderedDict()
+_context_cache: OrderedDict[tuple[bytes, bool, bool, bytes | None], ssl.SSLContext] = OrderedDict()
 
 
-def make_self_signed_certificate(identity: Identity) -> tuple[bytes, bytes]:
-    """A certificate for ``identity``, self-signed with its ed25519 key.
+def make_self_signed_certificate(
+    identity: Identity, admission_token: bytes | None = None
+) -> tuple[bytes, bytes]:
+    """A certificate for ``identity``, self-signed with its ed25519 key, carrying
+    ``admission_token`` (wire bytes) when given.
 
     Returns ``(cert_pem, key_pem)``; the key is the identity's private key in
     unencrypted PKCS#8 PEM. The subject is the PeerID, for humans reading the cert.
     """
     now = datetime.datetime.now(datetime.UTC)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(identity.peer_id))])
-    certificate = (
+    builder = (
         x509.CertificateBuilder()
         .subject_name(name)
         .issuer_name(name)
@@ -85,8 +99,11 @@ def make_self_signed_certificate(identity: Identity) -> tuple[bytes, bytes]:
         .not_valid_before(now - _NOT_BEFORE_SLACK)
         .not_valid_after(now + _VALIDITY)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .sign(identity.private_key, algorithm=None)  # ed25519 hashes internally
     )
+    if admission_token is not None:
+        extension = x509.UnrecognizedExtension(ADMISSION_TOKEN_OID, bytes(admission_token))
+        builder = builder.add_extension(extension, critical=False)
+    certificate = builder.sign(identity.private_key, algorithm=None)  # ed25519 hashes inside
     cert_pem = certificate.public_bytes(serialization.Encoding.PEM)
     key_pem = identity.private_key.private_bytes(
         serialization.Encoding.PEM,
@@ -96,10 +113,12 @@ def make_self_signed_certificate(identity: Identity) -> tuple[bytes, bytes]:
     return cert_pem, key_pem
 
 
-def _load_identity_into(context: ssl.SSLContext, identity: Identity) -> None:
+def _load_identity_into(
+    context: ssl.SSLContext, identity: Identity, admission_token: bytes | None
+) -> None:
     """``load_cert_chain`` only reads files: write the PEMs to a private temporary
     directory (0700, file 0600) and remove it right after loading."""
-    cert_pem, key_pem = make_self_signed_certificate(identity)
+    cert_pem, key_pem = make_self_signed_certificate(identity, admission_token)
     with tempfile.TemporaryDirectory(prefix="swarmgrad-tls-") as directory:
         path = os.path.join(directory, "identity.pem")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -111,7 +130,9 @@ def _load_identity_into(context: ssl.SSLContext, identity: Identity) -> None:
             os.unlink(path)
 
 
-def _make_context(identity: Identity, server_side: bool) -> ssl.SSLContext:
+def _make_context(
+    identity: Identity, server_side: bool, admission_token: bytes | None = None
+) -> ssl.SSLContext:
     protocol = ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT
     context = ssl.SSLContext(protocol)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -132,18 +153,25 @@ def _make_context(identity: Identity, server_side: bool) -> ssl.SSLContext:
         # Peers never resume sessions; tickets would only cost bytes and, when the client
         # closes right after the handshake, spurious connection-reset errors.
         context.num_tickets = 0
-    _load_identity_into(context, identity)
+    _load_identity_into(context, identity, admission_token)
     return context
 
 
-def _cached_context(identity: Identity, server_side: bool) -> ssl.SSLContext:
-    key = (identity.peer_id.to_bytes(), server_side, os.environ.get(TLS_RECORDS_ENV) == "1")
+def _cached_context(
+    identity: Identity, server_side: bool, admission_token: bytes | None = None
+) -> ssl.SSLContext:
+    key = (
+        identity.peer_id.to_bytes(),
+        server_side,
+        os.environ.get(TLS_RECORDS_ENV) == "1",
+        admission_token,
+    )
     with _cache_lock:
         context = _context_cache.get(key)
         if context is not None:
             _context_cache.move_to_end(key)
             return context
-    context = _make_context(identity, server_side)
+    context = _make_context(identity, server_side, admission_token)
     with _cache_lock:
         context = _context_cache.setdefault(key, context)
         _context_cache.move_to_end(key)
@@ -152,9 +180,10 @@ def _cached_context(identity: Identity, server_side: bool) -> ssl.SSLContext:
     return context
 
 
-def server_ssl_context(identity: Identity) -> ssl.SSLContext:
-    """TLS 1.3 context for accepting connections as ``identity`` (cached)."""
-    return _cached_context(identity, server_side=True)
+def server_ssl_context(identity: Identity, admission_token: bytes | None = None) -> ssl.SSLContext:
+    """TLS 1.3 context for accepting connections as ``identity`` (cached), whose
+    certificate carries ``admission_token`` when given."""
+    return _cached_context(identity, True, admission_token)
 
 
 def client_ssl_context(identity: Identity) -> ssl.SSLContext:
@@ -180,6 +209,12 @@ def peer_id_from_certificate(der: bytes | None) -> PeerID:
     HandshakeError otherwise: no certificate, garbage, another key type, a signature
     by another key.
     """
+    return certificate_identity(der)[0]
+
+
+def certificate_identity(der: bytes | None) -> tuple[PeerID, bytes | None]:
+    """The PeerID proven by a peer's certificate and the access token it carries (None
+    if it has none); HandshakeError as for :func:`peer_id_from_certificate`."""
     if not der:
         raise HandshakeError("the peer presented no TLS certificate")
     try:
@@ -205,7 +240,14 @@ def peer_id_from_certificate(der: bytes | None) -> PeerID:
         raise HandshakeError(
             "the peer's TLS certificate is not signed by its own key (bad self-signature)"
         ) from None
-    return PeerID.from_public_key(public_key)
+    try:
+        extension = certificate.extensions.get_extension_for_oid(ADMISSION_TOKEN_OID)
+        token = bytes(extension.value.value)
+    except x509.ExtensionNotFound:
+        token = None
+    except ValueError as e:  # duplicate or unparsable extensions
+        raise HandshakeError(f"the peer's TLS certificate has malformed extensions: {e}") from None
+    return PeerID.from_public_key(public_key), token
 
 
 def peer_id_from_ssl_object(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> PeerID:

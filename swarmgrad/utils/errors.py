@@ -93,3 +93,25 @@ class CodecError(ValidationError):
 class StorageLimitExceeded(ValidationError):
     """A DHT record was refused because it breaks a storage limit: too large a value or
     subkey, an expiration too far ahead, or too many records from one peer."""
+
+
+class TokenError(ValidationError):
+    """An access token, a revocation list or an authority key is malformed: not the wire
+    form swarmgrad writes, a field of the wrong type, or larger than allowed."""
+
+
+class AdmissionRefused(HandshakeError):
+    """A swarm with an admission authority refused a connection: no access token, an
+    expired or revoked one, one issued for another PeerID or by another authority, or a
+    forged signature. ``reason`` is the :class:`~swarmgrad.net.admission.RefusalReason`
+    value when known (the refusing side always knows it; the refused side learns it from
+    the refusal message)."""
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
+
+
+class AccessDenied(RemoteError):
+    """The remote peer refused a call because the role in our access token does not allow
+    it (a monitor storing in the DHT, a server joining an averaging round, ...)."""

@@ -30,9 +30,12 @@ class _SimulatedTLS(asyncio.BaseProtocol):
     """Takes a new simulated connection, adds what TLS would have established, and hands the
     transport to the real protocol (which from then on receives everything directly)."""
 
-    def __init__(self, upper: asyncio.BaseProtocol, listener: PeerID | None):
+    def __init__(
+        self, upper: asyncio.BaseProtocol, listener: PeerID | None, token: bytes | None = None
+    ):
         self._upper = upper
         self._listener = listener  # the dialer's side: whom it reached
+        self._token = token  # the dialer's side: the access token in the listener's cert
 
     def connection_made(self, transport: Any) -> None:
         extra = transport._extra
@@ -42,6 +45,7 @@ class _SimulatedTLS(asyncio.BaseProtocol):
         ).digest()
         if self._listener is not None:
             extra["tls_peer_id"] = self._listener
+            extra["tls_admission_token"] = self._token
         transport.set_protocol(self._upper)
         self._upper.connection_made(transport)
 
@@ -51,6 +55,14 @@ def _identities(network: SimNetwork) -> dict[str, PeerID]:
     registry = getattr(network, "_swarmgrad_identities", None)
     if registry is None:
         registry = network._swarmgrad_identities = {}  # type: ignore[attr-defined]
+    return registry
+
+
+def _backends(network: SimNetwork) -> dict[str, SimBackend]:
+    """Host address -> the backend listening there (for its simulated certificate)."""
+    registry = getattr(network, "_swarmgrad_backends", None)
+    if registry is None:
+        registry = network._swarmgrad_backends = {}  # type: ignore[attr-defined]
     return registry
 
 
@@ -70,11 +82,15 @@ class SimBackend:
         self.ip = ip
         self.host = f"{ip}:{SIM_PORT}"
         self._listeners: list[SimListener] = []
+        # set by a Peer with an admission authority: its current access token, which the
+        # simulated certificate carries to dialers (as swarmgrad.net.tls does)
+        self.admission_token: Callable[[], bytes | None] | None = None
 
     async def listen(self, maddr: Multiaddr, upper_factory: Callable[[], Any]) -> list[Multiaddr]:
         factory = upper_factory
         if self.identity is not None:
             _identities(self.network)[self.host] = self.identity.peer_id
+            _backends(self.network)[self.host] = self
             factory = lambda: _SimulatedTLS(upper_factory(), None)  # noqa: E731
         self._listeners.append(self.network.listen(self.host, factory))
         return [Multiaddr.from_host_port(self.ip, SIM_PORT)]
@@ -82,7 +98,10 @@ class SimBackend:
     async def dial(self, maddr: Multiaddr, upper: asyncio.BaseProtocol) -> asyncio.BaseProtocol:
         destination = f"{maddr.host}:{maddr.port}"
         listener = _identities(self.network).get(destination)
-        protocol = upper if listener is None else _SimulatedTLS(upper, listener)
+        backend = _backends(self.network).get(destination)
+        source = backend.admission_token if backend is not None else None
+        token = source() if source is not None else None
+        protocol = upper if listener is None else _SimulatedTLS(upper, listener, token)
         await self.network.connect(self.host, destination, lambda: protocol)
         return upper
 
@@ -96,6 +115,7 @@ class SimBackend:
         registry = _identities(self.network)
         if self.identity is not None and registry.get(self.host) == self.identity.peer_id:
             del registry[self.host]  # whoever listens here next is someone else
+            _backends(self.network).pop(self.host, None)
 
 
 def sim_identity(rng: random.Random) -> Identity:
