@@ -264,3 +264,42 @@ def test_exported_at_the_top_level_and_checkpoints_round_trip():
             opt.shutdown()
         with pytest.raises(ValidationError, match="shut down"):
             opt.step()
+
+
+def test_peers_whose_synced_copies_differ_re_average_them_and_agree_again(caplog):
+    """A round that split the swarm into groups leaves each group with its own synced
+    copy; averaging pseudo-gradients would never bring them together again. The digests
+    in the next round's gather show it, and its members re-average their copies."""
+    with dht_swarm(2) as dhts:
+        models = [make_model(seed=0) for _ in dhts]
+        opts = [make_diloco(dht, m, num_inner_steps=4) for dht, m in zip(dhts, models, strict=True)]
+        perturbed = []
+
+        def split_once(trainer: Trainer) -> None:
+            # as if peer 1 had averaged epoch 0 in another group: its synced copy moves
+            if trainer.opt.local_epoch == 1 and not perturbed:
+                perturbed.append(True)
+                with torch.no_grad(), trainer.opt.state_averager.state_lock():
+                    for master in trainer.opt._masters:
+                        master.add_(0.05)
+
+        trainers = [
+            Trainer(opts[0], models[0], seed=0, until_epoch=3),
+            Trainer(opts[1], models[1], seed=1, until_epoch=3, on_step=split_once),
+        ]
+        try:
+            with caplog.at_level(logging.WARNING, logger="swarmgrad.optim.diloco"):
+                start_together(trainers)
+                for trainer in trainers:
+                    trainer.result()
+            assert perturbed
+            assert "synced copies of fragment 0 differ" in caplog.text
+            masters = [torch.cat([m.detach().flatten() for m in o._masters]) for o in opts]
+            assert float((masters[0] - masters[1]).abs().max()) < 1e-6
+            assert (
+                max_difference(trainers[0].params_at_epoch[3], trainers[1].params_at_epoch[3])
+                < 1e-6
+            )
+        finally:
+            for opt in opts:
+                opt.shutdown()

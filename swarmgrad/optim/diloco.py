@@ -54,6 +54,7 @@ the others' average (weight 0).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -216,6 +217,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.samples_since_sync = 0
         self._closed = False
         self._check_sync_on_next_update = True
+        self._resync = False  # a round showed that synced copies differ across peers
 
         averager_opts = dict(averager_opts or {})
         self.tracker = ProgressTracker(
@@ -397,6 +399,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             wait=False,
             timeout=self.averaging_timeout,
             round_tag=f"outer{self.local_epoch}f{fragment.index}",
+            gather=self._synced_digest(fragment),
         )
 
     def _launch(self, fragment: _Fragment) -> None:
@@ -423,10 +426,22 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 wait=False,
                 timeout=self.averaging_timeout,
                 round_tag=tag,
+                gather=self._synced_digest(fragment),
             )
         control.weight = weight
         control.allow_allreduce()
         fragment.running = control
+
+    def _synced_digest(self, fragment: _Fragment) -> bytes:
+        """A hash of this fragment's synced copy, shared in its round: members whose
+        copies differ (a round that split the swarm into groups that averaged apart)
+        see it and re-average their synced copies (:meth:`_resync_if_needed`)."""
+        digest = hashlib.blake2b(digest_size=16)
+        with torch.no_grad(), self.state_averager.state_lock():
+            for index in fragment.params:
+                flat = self._masters[index].detach().to("cpu").contiguous().reshape(-1)
+                digest.update(flat.view(torch.uint8).numpy())
+        return digest.digest()
 
     def _write_pseudo_gradient(self, fragment: _Fragment) -> float:
         """master.grad = synced - local (+ the residual of the last lossy round); returns
@@ -482,6 +497,22 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 fragment.running_epoch,
                 len(gathered),
             )
+            if (
+                len(
+                    {
+                        bytes(d) if isinstance(d, bytes | bytearray) else None
+                        for d in gathered.values()
+                    }
+                )
+                > 1
+            ):
+                logger.warning(
+                    "%s: the synced copies of fragment %d differ across the group (an "
+                    "earlier round split the swarm): re-averaging them after this step",
+                    self.run_id,
+                    fragment.index,
+                )
+                self._resync = True
         else:
             logger.log(
                 self.status_loglevel,
@@ -510,6 +541,23 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     merged = alpha * main.detach() + (1 - alpha) * merged
                 main.copy_(merged)
 
+    def _resync_if_needed(self) -> None:
+        """Average the synced copies (and the outer optimizer's averaged statistics)
+        with the peers that saw the same difference in the same round, then continue
+        from them. Every member of that round saw the same gathered digests, so all of
+        them come here together."""
+        if not self._resync:
+            return
+        self._resync = False
+        self.state_averager.step(
+            averaging_round=True,
+            delay_averaging=False,
+            averaging_opts={"timeout": self.averaging_timeout},
+        )
+        with torch.no_grad(), self.state_averager.state_lock():
+            for main, synced in zip(self.main_parameters, self._masters, strict=True):
+                main.copy_(synced.to(main.device))
+
     def _outer_step(self) -> None:
         """The epoch is due: sync the last fragment (all of them when not streaming), wait
         for every round of this epoch, and move to the next epoch."""
@@ -524,6 +572,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 if fragment.synced_epoch < self.local_epoch:
                     self._launch(fragment)
             self._apply_finished_fragments(wait=True)
+            self._resync_if_needed()
             self.state_averager.local_epoch += 1
             self.tracker.update_epoch(new_epoch=self.local_epoch)
             self.samples_since_sync = 0
