@@ -54,6 +54,7 @@ the others' average (weight 0).
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import time
@@ -63,7 +64,7 @@ from typing import Any
 import torch
 
 from swarmgrad.averaging.averager import DecentralizedAverager
-from swarmgrad.averaging.step_control import StepControl
+from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.compression.base import CompressionInfo
 from swarmgrad.dht.dht import DHT
@@ -432,6 +433,28 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         control.allow_allreduce()
         fragment.running = control
 
+    def _wait_for_round(self, control: StepControl, epoch: int) -> Any:
+        """The round's result within averaging_timeout; None at once if it is still
+        looking for a group when peers already finished ``epoch`` (rounds carry the
+        epoch in their tag: it would wait out the timeout for nobody, and a peer that
+        pays that every epoch never catches up). The peer then finds itself behind and
+        loads the swarm's state."""
+        deadline = time.monotonic() + self.averaging_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return control.result(max(0.0, min(0.25, remaining)))
+            except concurrent.futures.TimeoutError:
+                if control.done():
+                    raise
+                if remaining <= 0.25:
+                    raise TimeoutError(f"the round took over {self.averaging_timeout} s") from None
+                if control.stage is AveragingStage.LOOKING_FOR_GROUP and (
+                    self.tracker.peers_ahead_of(epoch, refresh=False)
+                ):
+                    control.cancel()
+                    return None
+
     def _synced_digest(self, fragment: _Fragment) -> bytes:
         """A hash of this fragment's synced copy, shared in its round: members whose
         copies differ (a round that split the swarm into groups that averaged apart)
@@ -483,7 +506,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         gathered = None
         if control is not None:
             try:
-                gathered = control.result(self.averaging_timeout)
+                gathered = self._wait_for_round(control, fragment.running_epoch)
             except BaseException as e:
                 logger.log(self.status_loglevel, "%s: averaging failed: %r", self.run_id, e)
                 if not control.done():
