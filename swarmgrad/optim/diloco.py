@@ -565,10 +565,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 main.copy_(merged)
 
     def _resync_if_needed(self) -> None:
-        """Average the synced copies (and the outer optimizer's averaged statistics)
-        with the peers that saw the same difference in the same round, then continue
-        from them. Every member of that round saw the same gathered digests, so all of
-        them come here together."""
+        """Average the synced copies with the peers that saw the same difference in the
+        same round, reset the outer optimizer's statistics, and continue from there.
+        Every member of that round saw the same gathered digests, so all of them come
+        here together."""
         if not self._resync:
             return
         self._resync = False
@@ -578,6 +578,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             averaging_opts={"timeout": self.averaging_timeout},
         )
         with torch.no_grad(), self.state_averager.state_lock():
+            # the outer optimizer's statistics (Nesterov's momentum) differ as much as
+            # the copies did, and would pull them apart again at the next outer step:
+            # every member of the re-average starts them afresh
+            self.outer_optimizer.state.clear()
             for main, synced in zip(self.main_parameters, self._masters, strict=True):
                 main.copy_(synced.to(main.device))
 
