@@ -586,7 +586,6 @@ class Optimizer(torch.optim.Optimizer):
                     else {
                         "round_tag": tag,
                         "gather": self._digest_of_this_epoch(),
-                        "expected_group_size": self._expected_group_size(),
                     }
                 ),
             )
@@ -623,7 +622,9 @@ class Optimizer(torch.optim.Optimizer):
             )
             self._states_equal = self._round_left_states_equal(gathered)
         else:
-            if ahead_of is not None and self.tracker.peers_ahead_of(ahead_of, refresh=False):
+            if ahead_of is not None and self._peers_ahead_of(
+                ahead_of, fresh=ahead_of == self.local_epoch
+            ):
                 # peers at our epoch (or beyond) averaged without us: their state is the
                 # swarm's; peers behind us (paused, slow) are no reason to go back
                 logger.log(
@@ -640,6 +641,19 @@ class Optimizer(torch.optim.Optimizer):
             # the next epoch's gradients when this runs in the background.
             logger.log(self.status_loglevel, "%s: proceeding with local gradients", self.run_id)
         self._use_averaged_gradients()
+
+    def _peers_ahead_of(self, epoch: int, *, fresh: bool) -> int:
+        """Live peers past ``epoch``. After a failed round the question is whether the
+        others finished our epoch a moment ago, which a stale read would miss (a joiner
+        then stepped on its own gradients and began the next epoch apart): read the
+        swarm again, within matchmaking_time."""
+        if not fresh:
+            return self.tracker.peers_ahead_of(epoch, refresh=False)
+        try:
+            return self.tracker.peers_ahead_of(epoch, timeout=self.matchmaking_time)
+        except Exception as e:
+            logger.debug("%s: reading progress failed: %r", self.run_id, e)
+            return self.tracker.peers_ahead_of(epoch, refresh=False)
 
     def _round_left_states_equal(self, gathered: dict) -> bool:
         """Do all peers of the swarm hold the same state after this round? Only if every
@@ -723,15 +737,7 @@ class Optimizer(torch.optim.Optimizer):
                 timeout=self.averaging_timeout,
                 round_tag=self._gradient_round_tag(),
                 gather=self._digest_of_this_epoch(),
-                expected_group_size=self._expected_group_size(),
             )
-
-    def _expected_group_size(self) -> int | None:
-        """The live peers of the run (the tracker's count): a gradient round that has
-        them all need not wait out its matchmaking window, which would dominate short
-        epochs. A stale count only costs the wait it saves."""
-        peers = self.tracker.global_progress.num_peers
-        return peers if peers >= 2 else None
 
     def _digest_of_this_epoch(self) -> bytes | None:
         """This epoch's state digest, shared in the gradient round's gather (None when
