@@ -83,6 +83,23 @@ def test_record_from_the_future_is_ignored():
             tracker.shutdown(timeout=5)
 
 
+def test_distrust_takes_effect_at_once_even_while_updates_are_paused():
+    """The optimizer distrusts a claim inside pause_updates and reads global_epoch right
+    after: waiting for the next read of the swarm made it download state again for the
+    same lie (CI: six downloads where two sufficed)."""
+    with dht_swarm(2) as dhts:
+        tracker = ProgressTracker(dhts[0], RUN, target_batch_size=100, start=True)
+        try:
+            publish_lie(dhts[1], epoch=10**6)
+            assert tracker.refresh(timeout=5).epoch == 10**6
+            with tracker.pause_updates():
+                tracker.distrust_epochs_above(0)
+                assert tracker.global_epoch < 10**6
+            assert tracker.refresh(timeout=5).epoch < 10**6
+        finally:
+            tracker.shutdown(timeout=5)
+
+
 def test_absurd_sample_counts_cannot_rush_the_swarm():
     target = 480
     with dht_swarm(3) as dhts:

@@ -224,8 +224,11 @@ class ProgressTracker:
         beyond ``epoch + 1`` made it up (or serve no state). From now on their claims
         count only up to our own epoch, so they cannot keep us downloading state."""
         with self._lock:
-            records = self._last_records
-            liars = {key for key, r in records.items() if r.epoch > epoch + 1}
+            liars = {
+                key
+                for key, r in self._last_records.items()
+                if r.epoch > epoch + 1 and key not in self._distrusted
+            }
             if liars:
                 logger.warning(
                     "%s: %d peer(s) claim epochs beyond %d that no donor can serve; their "
@@ -235,6 +238,9 @@ class ProgressTracker:
                     epoch + 1,
                 )
             self._distrusted |= liars
+            # at once, even inside pause_updates: until the next read the optimizer would
+            # otherwise still see the claimed epoch and download state again for it
+            self._aggregate_locked()
         self.request_fetch()
 
     # ------------------------------------------------------------------ writing
@@ -318,6 +324,22 @@ class ProgressTracker:
                 and record.epoch > epoch
                 and record.time <= horizon
             )
+
+    def _aggregate_locked(self) -> None:
+        """Recompute the global progress from the last records read (hold the lock)."""
+        self.global_progress = aggregate_progress(
+            self._last_records,
+            local_key=self._local_public_key,
+            local=self.local_progress,
+            target_batch_size=self.target_batch_size,
+            now=get_dht_time(),
+            epoch_started_at=self._epoch_began[1],
+            distrusted=frozenset(self._distrusted),
+            rules=self.rules,
+        )
+        if self.global_progress.epoch != self._epoch_began[0]:
+            # a new epoch (or the end of a believed lie): samples count from now
+            self._epoch_began = (self.global_progress.epoch, get_dht_time())
 
     def request_fetch(self) -> None:
         """Read the swarm's progress now rather than at the next scheduled time."""
@@ -435,19 +457,7 @@ class ProgressTracker:
                     get_dht_time() + self.rules.min_refresh_period
                 )
                 return
-            self.global_progress = aggregate_progress(
-                records,
-                local_key=self._local_public_key,
-                local=self.local_progress,
-                target_batch_size=self.target_batch_size,
-                now=get_dht_time(),
-                epoch_started_at=self._epoch_began[1],
-                distrusted=frozenset(self._distrusted),
-                rules=self.rules,
-            )
-            if self.global_progress.epoch != self._epoch_began[0]:
-                # a new epoch (or the end of a believed lie): samples count from now
-                self._epoch_began = (self.global_progress.epoch, get_dht_time())
+            self._aggregate_locked()
         self.fetched_global_progress_this_epoch.set()
         progress = self.global_progress
         logger.log(
