@@ -153,8 +153,10 @@ def main() -> None:
         "runs": len(runs),
         "trials_per_run": trials,
     }
-    print(f"median over runs: tokens {result['admission_overhead']:+.1%}, "
-          f"cached tokens {result['admission_overhead_cached']:+.1%} against an open swarm")
+    print(
+        f"median over runs: tokens {result['admission_overhead']:+.1%}, "
+        f"cached tokens {result['admission_overhead_cached']:+.1%} against an open swarm"
+    )
     print(json.dumps(result))
 
 

@@ -70,8 +70,7 @@ def test_revocation_published_in_the_dht_shuts_the_peer_out(arun):
 
             def shut_out() -> bool:
                 return all(
-                    p.admission.revocations is not None
-                    and not p.is_connected(revoked.peer_id)
+                    p.admission.revocations is not None and not p.is_connected(revoked.peer_id)
                     for p in (a, b)
                 )
 

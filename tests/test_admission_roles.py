@@ -16,6 +16,8 @@ from swarmgrad.utils.errors import AccessDenied, StreamReset
 from swarmgrad.utils.timeutils import get_dht_time
 
 AUTHORITY = Authority.generate()
+
+
 def soon() -> float:
     return get_dht_time() + 600
 
