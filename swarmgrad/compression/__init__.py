@@ -22,6 +22,7 @@ from swarmgrad.compression.floating import (
     Float16Compression,
     ScaledFloat16Compression,
 )
+from swarmgrad.compression.four_bit import Blockwise4BitQuantization
 from swarmgrad.compression.quantization import (
     BlockwiseQuantization,
     Quantile8BitQuantization,
@@ -61,6 +62,7 @@ __all__ = [
     "BASE_COMPRESSION_TYPES",
     "AdaptiveCompressionBase",
     "BFloat16Compression",
+    "Blockwise4BitQuantization",
     "BlockwiseQuantization",
     "CompressionBase",
     "CompressionInfo",

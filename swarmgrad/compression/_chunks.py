@@ -66,6 +66,18 @@ def float32_outputs(
         out[start:stop].copy_(target)
 
 
+def block_groups(start: int, stop: int, block: int) -> list[tuple[int, int, int]]:
+    """Split ``[start, stop)`` (``start`` on a block boundary) into the run of whole blocks
+    and a final partial block: ``(first, last, number_of_blocks)`` for each non-empty one."""
+    whole_stop = start + (stop - start) // block * block
+    groups = []
+    if whole_stop > start:
+        groups.append((start, whole_stop, (whole_stop - start) // block))
+    if stop > whole_stop:
+        groups.append((whole_stop, stop, 1))
+    return groups
+
+
 def row_blocks(
     rows: int, cols: int, chunk: int | None = None
 ) -> Iterator[tuple[int, int, int, int]]:

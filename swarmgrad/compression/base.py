@@ -148,6 +148,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
     The view keeps the memory alive; writing to the tensor changes the view's contents.
     """
+    if tensor.numel() == 0:  # an empty numpy-made tensor may have stride 0: no byte view
+        return memoryview(b"")
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 

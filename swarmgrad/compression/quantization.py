@@ -18,6 +18,7 @@ import torch
 
 from swarmgrad.compression._chunks import (
     CHUNK_NUMEL,
+    block_groups,
     float32_inputs,
     float32_outputs,
     random_sample_indices,
@@ -372,7 +373,7 @@ class BlockwiseQuantization(LossyCompression):
         chunk = max(1, CHUNK_NUMEL // block) * block
         scratch = torch.empty(min(chunk, numel), dtype=torch.float32)
         for start, stop, values in float32_inputs(flat, chunk):
-            for first, last, count in _block_groups(start, stop, block):
+            for first, last, count in block_groups(start, stop, block):
                 _encode_blocks(
                     values[first - start : last - start].view(count, -1),
                     scratch[first - start : last - start].view(count, -1),
@@ -394,25 +395,13 @@ class BlockwiseQuantization(LossyCompression):
             chunk_index = index[: stop - start]
             chunk_index.copy_(codes[start:stop])
             torch.index_select(BLOCKWISE_CODE, 0, chunk_index, out=target)
-            for first, last, count in _block_groups(start, stop, block):
+            for first, last, count in block_groups(start, stop, block):
                 block_scales = scales[first // block : first // block + count, None]
                 target[first - start : last - start].view(count, -1).mul_(block_scales)
         return out
 
     def payload_nbytes(self, descriptor: TensorDescriptor) -> int:
         return -(-descriptor.numel() // self.block_size) * 4 + descriptor.numel()
-
-
-def _block_groups(start: int, stop: int, block: int) -> list[tuple[int, int, int]]:
-    """Split ``[start, stop)`` (``start`` on a block boundary) into the run of whole blocks
-    and a final partial block: ``(first, last, number_of_blocks)`` for each non-empty one."""
-    whole_stop = start + (stop - start) // block * block
-    groups = []
-    if whole_stop > start:
-        groups.append((start, whole_stop, (whole_stop - start) // block))
-    if stop > whole_stop:
-        groups.append((whole_stop, stop, 1))
-    return groups
 
 
 def _encode_blocks(

@@ -13,6 +13,7 @@ from swarmgrad.compression.floating import (
     Float16Compression,
     ScaledFloat16Compression,
 )
+from swarmgrad.compression.four_bit import Blockwise4BitQuantization
 from swarmgrad.compression.quantization import (
     BlockwiseQuantization,
     Quantile8BitQuantization,
@@ -39,6 +40,7 @@ BASE_COMPRESSION_TYPES: Mapping[str, CompressionBase] = MappingProxyType(
         CompressionType.UNIFORM_8BIT.name: Uniform8BitQuantization(),
         CompressionType.QUANTILE_8BIT.name: Quantile8BitQuantization(),
         CompressionType.BLOCKWISE_8BIT.name: BlockwiseQuantization(),
+        CompressionType.BLOCKWISE_4BIT.name: Blockwise4BitQuantization(),
     }
 )
 _BY_WIRE_NAME = {

@@ -17,6 +17,9 @@ codec               buffer                                                  para
 ``uniform_8bit``    ``n`` uint8 codes; value = ``lo + code * step``         ``{"lo", "step"}``
 ``quantile_8bit``   256 float32 codebook entries, then ``n`` uint8 codes    ``{}``
 ``blockwise_8bit``  ``ceil(n / block)`` float32 block scales, ``n`` uint8   ``{"block": int}``
+``blockwise_4bit``  ``ceil(n / block)`` float32 block scales, then          ``{"block": int}``
+                    ``ceil(n / 2)`` bytes of two 4-bit codes (low nibble
+                    first)
 ==================  ======================================================  =================
 """
 
@@ -41,6 +44,7 @@ __all__ = [
     "SERIALIZABLE_DTYPES",
     "SerializedTensor",
     "LOSSY_DTYPES",
+    "blockwise_4bit_nbytes",
     "check_header",
     "dtype_from_name",
     "dtype_name",
@@ -67,6 +71,7 @@ class CompressionType(enum.StrEnum):
     QUANTILE_8BIT = "quantile_8bit"
     BLOCKWISE_8BIT = "blockwise_8bit"
     BFLOAT16 = "bfloat16"
+    BLOCKWISE_4BIT = "blockwise_4bit"
 
 
 def _collect_dtypes() -> dict[str, torch.dtype]:
@@ -162,9 +167,16 @@ def expected_payload_nbytes(
         return numel
     if codec == CompressionType.QUANTILE_8BIT:
         return QUANTILE_CODEBOOK_SIZE * 4 + numel
-    # blockwise_8bit
     block = _int_param(codec, params, "block", 1, MAX_BLOCK_SIZE)
+    if codec == CompressionType.BLOCKWISE_4BIT:
+        return blockwise_4bit_nbytes(numel, block)
+    # blockwise_8bit
     return -(-numel // block) * 4 + numel
+
+
+def blockwise_4bit_nbytes(numel: int, block: int) -> int:
+    """Payload size of ``blockwise_4bit``: float32 block scales, then two codes per byte."""
+    return -(-numel // block) * 4 + (numel + 1) // 2
 
 
 def _buffer_nbytes(buffer: Buffer) -> int:
