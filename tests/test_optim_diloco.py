@@ -10,7 +10,15 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from optim_helpers import Trainer, dht_swarm, join, make_model, max_difference, start_together
+from optim_helpers import (
+    Trainer,
+    dht_swarm,
+    join,
+    make_model,
+    max_difference,
+    start_together,
+    wait_until,
+)
 
 import swarmgrad
 from swarmgrad.compression import Blockwise4BitQuantization, Uniform8BitQuantization
@@ -328,6 +336,83 @@ def test_peers_whose_synced_copies_differ_re_average_them_and_agree_again(caplog
                 max_difference(trainers[0].params_at_epoch[3], trainers[1].params_at_epoch[3])
                 < 1e-6
             )
+        finally:
+            for opt in opts:
+                opt.shutdown()
+
+
+def test_a_joiner_whose_outer_optimizer_does_not_fit_the_runs_state_is_refused_by_name():
+    """The run's outer state is Nesterov momentum; a joiner built with Adam as its outer
+    optimizer must be told so, keep its own state, and the donor keeps serving others."""
+    with dht_swarm(1) as dhts:
+        model = make_model(seed=0)
+        donor = make_diloco(dhts[0], model)
+        opts = [donor]
+        try:
+            trainer = Trainer(donor, model, seed=0, until_epoch=1)
+            trainer.start()
+            trainer.result()
+            assert donor.outer_optimizer.state_dict()["state"]  # there is momentum to serve
+            wrong_model = make_model(seed=3)
+            wrong = make_diloco(
+                join(dhts),
+                wrong_model,
+                outer_optimizer=lambda params: torch.optim.Adam(params, lr=0.1),
+                load_state_timeout=20,
+            )
+            opts.append(wrong)
+            before = [p.detach().clone() for p in wrong_model.parameters()]
+            with pytest.raises(ValidationError, match=r"\['momentum_buffer'\] .* ours \['exp_avg"):
+                wrong.load_state_from_peers()
+            after = list(wrong_model.parameters())
+            assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+            right_model = make_model(seed=4)
+            right = make_diloco(join(dhts), right_model, load_state_timeout=20)
+            opts.append(right)
+            right.load_state_from_peers()
+            assert right.local_epoch == donor.local_epoch == 1
+            assert (
+                max_difference(
+                    [p.detach() for p in right_model.parameters()],
+                    [p.detach() for p in model.parameters()],
+                )
+                < 1e-6
+            )
+        finally:
+            for opt in opts:
+                opt.shutdown()
+
+
+def test_a_round_under_another_step_number_never_mixes_into_ours():
+    """Rounds are tagged with the epoch: a peer that syncs a fragment under another step
+    number (here one that believes it is at epoch 7) meets nobody of ours, so its
+    pseudo-gradient (made huge here to show) cannot enter our average."""
+    with dht_swarm(2) as dhts:
+        models = [make_model(seed=0) for _ in dhts]
+        opts = [
+            make_diloco(dht, m, averaging_timeout=5.0) for dht, m in zip(dhts, models, strict=True)
+        ]
+        try:
+            for opt in opts:
+                opt.tracker.report_local_progress(opt.local_epoch, 8)
+            wait_until(
+                lambda: all(o.tracker.refresh(timeout=5).num_peers == 2 for o in opts),
+                20,
+                "both peers in each other's progress",
+            )
+            opts[1].state_averager.local_epoch = 7  # the wrong step number
+            with torch.no_grad():
+                for p in models[0].parameters():
+                    p.add_(0.01)
+                for p in models[1].parameters():
+                    p.add_(1000.0)
+            before = [p.detach().clone() for p in models[0].parameters()]
+            for opt in opts:
+                opt._launch(opt.fragments[0])
+            for opt in opts:
+                opt._apply_finished_fragments(wait=True)
+            moved = max_difference([p.detach() for p in models[0].parameters()], before)
+            assert moved < 1.0, "peer 0's outer step took the other step number's update"
         finally:
             for opt in opts:
                 opt.shutdown()

@@ -86,6 +86,13 @@ def test_lossy_codecs_send_integer_bool_complex_and_float8_tensors_exactly(tenso
     assert restored.dtype == tensor.dtype and same_bytes(restored, tensor)
 
 
+# Worst error per value, as a fraction of the tensor's largest magnitude: half the widest
+# gap between neighbouring code points.  The 4-bit code's widest gap (between 6/7 and 1
+# of a block's absmax) is 0.204, so its bound is about twice the 8-bit codecs'.
+WORST_RELATIVE_ERROR = {codec: 0.05 for codec in CompressionType}
+WORST_RELATIVE_ERROR[CompressionType.BLOCKWISE_4BIT] = 0.11
+
+
 @pytest.mark.parametrize("codec", list(CompressionType), ids=str)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize(
@@ -99,7 +106,7 @@ def test_every_codec_restores_dtype_shape_and_values_approximately(codec, dtype,
     assert restored.shape == tensor.shape
     if tensor.numel():
         error = (restored.double() - tensor.double()).abs().max().item()
-        assert error <= 0.05 * tensor.double().abs().max().item() + 1e-6
+        assert error <= WORST_RELATIVE_ERROR[codec] * tensor.double().abs().max().item() + 1e-6
 
 
 @pytest.mark.parametrize("codec", list(CompressionType), ids=str)
@@ -130,7 +137,7 @@ def test_non_contiguous_inputs_round_trip(codec):
     for tensor in (base.t(), base[::2, 1::3], base.expand(2, 64, 96)):
         restored = deserialize_torch_tensor(serialize_torch_tensor(tensor, codec))
         assert restored.shape == tensor.shape
-        assert torch.allclose(restored, tensor, atol=0.05 * base.abs().max().item())
+        assert torch.allclose(restored, tensor, atol=WORST_RELATIVE_ERROR[codec] * base.abs().max().item())
 
 
 def test_conjugate_and_negative_views_are_resolved():

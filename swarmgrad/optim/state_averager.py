@@ -294,6 +294,16 @@ class TrainingStateAverager(DecentralizedAverager):
         params = optimizer_parameters(self.optimizer)
         opt_tensors = [t for _, t in optimizer_state_tensors(self.optimizer)]
         expected = len(params) + len(opt_tensors) + len(self.extra_tensors)
+        if metadata.get("num_parameters") == len(params) and len(tensors) != expected:
+            theirs, ours = (
+                _state_keys(metadata.get("optimizer")),
+                _state_keys(dump_optimizer_state(self.optimizer)[0]),
+            )
+            if theirs != ours:
+                raise ValidationError(
+                    f"the downloaded optimizer state holds {theirs or 'nothing'} per parameter, "
+                    f"ours {ours or 'nothing'}: another layout (is it the same optimizer?)"
+                )
         if len(tensors) != expected or metadata.get("num_parameters") != len(params):
             raise ValidationError(
                 f"the downloaded state has {len(tensors)} tensors "
@@ -549,3 +559,12 @@ def warnings_quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         yield
+
+
+def _state_keys(optimizer_metadata: Any) -> list[str]:
+    """The names of the per-parameter state entries in dumped optimizer metadata (e.g.
+    ``['momentum_buffer']``), for an error that says which optimizers differ."""
+    layout = optimizer_metadata.get("layout") if isinstance(optimizer_metadata, dict) else None
+    if not isinstance(layout, list):
+        return []
+    return sorted({str(e[1]) for e in layout if isinstance(e, list | tuple) and len(e) > 1})
