@@ -137,7 +137,9 @@ def test_non_contiguous_inputs_round_trip(codec):
     for tensor in (base.t(), base[::2, 1::3], base.expand(2, 64, 96)):
         restored = deserialize_torch_tensor(serialize_torch_tensor(tensor, codec))
         assert restored.shape == tensor.shape
-        assert torch.allclose(restored, tensor, atol=WORST_RELATIVE_ERROR[codec] * base.abs().max().item())
+        assert torch.allclose(
+            restored, tensor, atol=WORST_RELATIVE_ERROR[codec] * base.abs().max().item()
+        )
 
 
 def test_conjugate_and_negative_views_are_resolved():
