@@ -148,7 +148,7 @@ def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+    return max(float((x - y).detach().abs().max()) for x, y in zip(a, b, strict=True))
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:

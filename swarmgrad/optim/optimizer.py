@@ -24,6 +24,9 @@ state. Modes (see ``docs/training.md``):
   runs in the background while the next batches are computed: one step of staleness;
 * ``use_local_updates``: every step updates the local model; parameters are averaged
   once per epoch instead of gradients;
+* ``outer_optimizer=...``: DiLoCo; every step is an inner step, and every
+  ``target_batch_size`` samples of the swarm the peers average how far they moved and
+  an outer optimizer applies it (a :class:`~.diloco.DiLoCoOptimizer` is returned);
 * ``auxiliary``: helps averaging with its bandwidth, computes nothing;
 * ``client_mode``: trains, accepts no connections (behind NAT).
 
@@ -51,6 +54,7 @@ from swarmgrad.averaging.allreduce import GroupMismatch
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.dht.dht import DHT
+from swarmgrad.optim.diloco_mode import diloco_from_optimizer_arguments
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
 from swarmgrad.optim.optimizer_state import optimizer_parameters
@@ -86,8 +90,21 @@ class Optimizer(torch.optim.Optimizer):
     ``average_opt_statistics``, ``extra_tensors``, ``averager_opts`` (more options for
     both averagers, e.g. ``bandwidth``, ``target_group_size``), ``tracker_opts`` (for
     the :class:`ProgressTracker`), ``performance_ema_alpha``, ``shutdown_timeout``,
-    ``verbose`` (log each epoch at INFO).
+    ``verbose`` (log each epoch at INFO). Not in hivemind: ``outer_optimizer`` (a
+    factory over the synced copy) switches to DiLoCo mode and returns a
+    :class:`~.diloco.DiLoCoOptimizer` (``optimizer`` is then the inner optimizer, its
+    ``scheduler`` steps with it, and ``target_batch_size`` is the swarm's samples per
+    outer step); ``diloco_opts`` carries its other options (``diloco_mode.py``).
     """
+
+    def __new__(cls, *args: Any, outer_optimizer: Any = None, **kwargs: Any) -> Any:
+        # DiLoCo mode (``diloco_mode.py``): the same arguments plus an outer optimizer
+        # build a DiLoCoOptimizer, whose __init__ ran already, so Python skips ours.
+        if outer_optimizer is None:
+            return super().__new__(cls)
+        if args:
+            raise TypeError("Optimizer takes keyword arguments only")
+        return diloco_from_optimizer_arguments(outer_optimizer=outer_optimizer, **kwargs)
 
     def __init__(
         self,
@@ -124,7 +141,13 @@ class Optimizer(torch.optim.Optimizer):
         performance_ema_alpha: float = 0.1,
         shutdown_timeout: float = 5,
         verbose: bool = False,
+        outer_optimizer: None = None,
+        diloco_opts: None = None,
     ):
+        if diloco_opts is not None:  # (outer_optimizer set: __new__ built a DiLoCoOptimizer)
+            raise ValidationError(
+                "diloco_opts needs outer_optimizer (DiLoCo mode); without it, leave it out"
+            )
         self._parent_pid = os.getpid()
         _check_positive_int("target_batch_size", target_batch_size)
         if batch_size_per_step is not None:
