@@ -4,6 +4,7 @@ that is neither rushed nor stalled by a peer publishing absurd progress."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from optim_helpers import RUN, Trainer, dht_swarm, make_model, make_optimizer, start_together
@@ -96,6 +97,28 @@ def test_distrust_takes_effect_at_once_even_while_updates_are_paused():
                 tracker.distrust_epochs_above(0)
                 assert tracker.global_epoch < 10**6
             assert tracker.refresh(timeout=5).epoch < 10**6
+        finally:
+            tracker.shutdown(timeout=5)
+
+
+def test_a_larger_target_takes_effect_at_once_on_the_epochs_end_estimate():
+    """DiLoCo raises the target as it counts peers (H steps each). The estimate of the
+    epoch's end made for the old target declared the epoch due until the next read: a
+    peer ran its outer step alone, seconds early (benchmarks/slow_links.py)."""
+    with dht_swarm(1) as (dht,):
+        tracker = ProgressTracker(dht, RUN, target_batch_size=60, start=True)
+        try:
+            for samples in range(10, 60, 10):  # about 100 samples per second
+                tracker.report_local_progress(0, samples)
+                time.sleep(0.1)
+            tracker.refresh(timeout=5)
+            assert tracker.estimated_next_update_time - get_dht_time() < 5
+            tracker.target_batch_size = 10_000
+            eta = tracker.estimated_next_update_time - get_dht_time()
+            assert eta > 30, eta  # ~9,950 samples to go at ~100 per second
+            assert not tracker.ready_to_update_epoch
+            with pytest.raises(ValidationError, match="target_batch_size must be a positive"):
+                tracker.target_batch_size = 0
         finally:
             tracker.shutdown(timeout=5)
 

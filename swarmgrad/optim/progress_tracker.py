@@ -108,7 +108,7 @@ class ProgressTracker:
             raise ValidationError("the DHT is not running: start it before the ProgressTracker")
         self.dht, self.prefix = dht, prefix
         self.client_mode = dht.client_mode if client_mode is None else bool(client_mode)
-        self.target_batch_size = target_batch_size
+        self._target_batch_size = target_batch_size
         self.training_progress_key = f"{prefix}_progress"
         self.metadata_expiration = float(metadata_expiration)
         self.status_loglevel = status_loglevel
@@ -201,6 +201,24 @@ class ProgressTracker:
     @property
     def global_epoch(self) -> int:
         return self.global_progress.epoch
+
+    @property
+    def target_batch_size(self) -> int:
+        """Samples per epoch; may change while training (DiLoCo counts H steps per peer)."""
+        return self._target_batch_size
+
+    @target_batch_size.setter
+    def target_batch_size(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValidationError(f"target_batch_size must be a positive int, got {value!r}")
+        with self._lock:
+            if value == self._target_batch_size:
+                return
+            self._target_batch_size = value
+            # the estimate of the epoch's end was made for the old target: until the next
+            # read it could declare the epoch due (benchmarks/slow_links.py: a DiLoCo peer
+            # that had just counted 4 peers ran its outer step on the ETA for 1)
+            self._aggregate_locked()
 
     @property
     def ready_to_update_epoch(self) -> bool:
