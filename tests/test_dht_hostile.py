@@ -132,6 +132,30 @@ def test_find_with_keys_of_the_wrong_length_or_type_names_the_problem(arun):
     arun(main)
 
 
+def test_find_may_skip_records_and_bad_skip_lists_are_refused_by_name(arun):
+    """A store's lookup wants only the nearest nodes: skip_records leaves a key's record
+    out of the answer (and a bad list of positions is refused, naming it)."""
+
+    async def main():
+        node, attacker, addr = await node_and_attacker()
+        key = serialize("skipped")
+        item = StoreItem(key, None, serialize("value" * 50), get_dht_time() + 60)
+        assert await remote_store(attacker, addr, [item]) == [None]
+        key_ids = [DHTID.generate(key), DHTID.generate(key)]
+        request = protocol.encode_find(key_ids, skip_records=[1])
+        reply = await attacker.call(addr, protocol.FIND, request, timeout=5)
+        with_record, without = protocol.decode_find_result(reply, 2)
+        assert with_record.record is not None and without.record is None
+        for bad in ([2], [-1], [True], ["0"], "0", [0, 0, 0]):
+            request = {**protocol.encode_find(key_ids), "skip_records": bad}
+            with pytest.raises(RemoteError, match="skip_records"):
+                await attacker.call(addr, protocol.FIND, request, timeout=5)
+        await well_behaved_round_trip(attacker, addr, "after-skip")
+        await stop(node, attacker)
+
+    arun(main)
+
+
 def test_odd_expirations_are_refused_per_record_with_a_reason(arun):
     async def main():
         node, attacker, addr = await node_and_attacker()

@@ -86,6 +86,44 @@ def test_concurrent_gets_of_one_key_share_one_lookup():
     assert served <= 12  # one lookup's worth of requests, not ten
 
 
+def test_a_stores_lookup_asks_for_nearest_nodes_only_and_a_get_for_the_record():
+    """A run's progress dictionary came back with every lookup of every store to it:
+    most of what a DiLoCo peer sent (benchmarks/slow_links.py)."""
+
+    async def main(network):
+        nodes = await make_nodes(network, 8, random.Random(3))
+        now = nodes[0].time_fn()
+        seen: list[tuple[bool, int]] = []  # (records skipped for every key, bytes answered)
+        for node in nodes:
+            original = node._rpc_find
+
+            async def spying(request, context, original=original):
+                answer = await original(request, context)
+                skipped = protocol.skipped_records(request, len(request["keys"]))
+                seen.append((len(skipped) == len(request["keys"]), len(serialize(answer))))
+                return answer
+
+            node.peer.remove_handler(protocol.FIND)
+            node.peer.add_handler(protocol.FIND, spying)
+        writer, reader = nodes[1], nodes[6]
+        for subkey in range(20):
+            assert await writer.store("progress", "x" * 200, now + 100, subkey=subkey)
+        seen.clear()
+        assert await writer.store("progress", "y" * 200, now + 100, subkey=99)
+        store_lookup = list(seen)
+        seen.clear()
+        found = await reader.get("progress", latest=True)
+        get_lookup = list(seen)
+        await stop(nodes)
+        return store_lookup, get_lookup, found
+
+    store_lookup, get_lookup, found = run_simulation(main, latency=0.02)
+    assert store_lookup and all(skipped for skipped, _ in store_lookup)
+    assert max(size for _, size in store_lookup) < 2000  # nodes only: no 21 x 200 bytes
+    assert get_lookup and not any(skipped for skipped, _ in get_lookup)
+    assert len(found.value) == 21
+
+
 def test_lookups_for_many_keys_share_requests_to_the_same_node():
     async def main(network):
         nodes = await make_nodes(network, 6, random.Random(2))

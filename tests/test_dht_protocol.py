@@ -39,6 +39,7 @@ def test_decoders_accept_or_raise_protocol_violation_on_any_input(message):
         protocol.decode_find,
         lambda m: protocol.decode_store_result(m, 1),
         lambda m: protocol.decode_find_result(m, 1),
+        lambda m: protocol.skipped_records(m, 2),
     ):
         try:
             decode(message)

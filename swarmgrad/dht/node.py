@@ -183,7 +183,7 @@ class DHTNode:
         self.max_expiration_ahead = max_expiration_ahead
         self.blacklist = Blacklist(blacklist_time, backoff_rate, time_fn)
         self._loop = asyncio.get_running_loop()
-        self._pending_finds: dict[PeerID, list[tuple[DHTID, asyncio.Future, int]]] = {}
+        self._pending_finds: dict[PeerID, list[tuple[DHTID, asyncio.Future, int, bool]]] = {}
         self._pending_gets: dict[tuple[DHTID, bool], asyncio.Future] = {}
         self._hot_cache_keys: dict[DHTID, bytes] = {}  # key id -> serialized key
         self._serialized_keys: dict[DHTID, bytes] = {}  # stored key ids -> serialized keys
@@ -447,15 +447,17 @@ class DHTNode:
             )
         return True
 
-    def _find(self, peer_id: PeerID, key_id: DHTID, k: int) -> asyncio.Future:
-        """Ask a node about a key (and its k nearest nodes); requests to one node in one
-        loop tick share an RPC."""
+    def _find(
+        self, peer_id: PeerID, key_id: DHTID, k: int, want_record: bool = True
+    ) -> asyncio.Future:
+        """Ask a node about a key (its record unless ``want_record`` is False, and its k
+        nearest nodes); requests to one node in one loop tick share an RPC."""
         future = self._loop.create_future()
         pending = self._pending_finds.get(peer_id)
         if pending is None:
             pending = self._pending_finds[peer_id] = []
             self._loop.call_soon(self._flush_finds, peer_id)
-        pending.append((key_id, future, k))
+        pending.append((key_id, future, k, want_record))
         return future
 
     def _flush_finds(self, peer_id: PeerID) -> None:
@@ -464,13 +466,15 @@ class DHTNode:
             self._spawn(self._send_finds(peer_id, batch))
 
     async def _send_finds(
-        self, peer_id: PeerID, batch: list[tuple[DHTID, asyncio.Future, int]]
+        self, peer_id: PeerID, batch: list[tuple[DHTID, asyncio.Future, int, bool]]
     ) -> None:
-        key_ids = list(dict.fromkeys(key_id for key_id, _, _ in batch))[: protocol.MAX_BATCH]
-        k = max(k for _, _, k in batch)
+        key_ids = list(dict.fromkeys(key_id for key_id, _, _, _ in batch))[: protocol.MAX_BATCH]
+        k = max(k for _, _, k, _ in batch)
+        wanted = {key_id for key_id, _, _, want in batch if want}
         answers_by_key: dict[DHTID, FindAnswer] = {}
         try:
-            request = protocol.encode_find(key_ids, k)
+            skip = [i for i, key_id in enumerate(key_ids) if key_id not in wanted]
+            request = protocol.encode_find(key_ids, k, skip_records=skip)
             response = await self._call(peer_id, protocol.FIND, request)
             if response is not None:
                 answers = protocol.decode_find_result(response, len(key_ids))
@@ -479,7 +483,7 @@ class DHTNode:
             logger.debug("bad find answer from %s: %s", peer_id, e)
             self.blacklist.register_failure(peer_id)
         finally:
-            for key_id, future, _ in batch:
+            for key_id, future, _, _ in batch:
                 if not future.done():
                     future.set_result(answers_by_key.get(key_id))
 
@@ -529,7 +533,7 @@ class DHTNode:
                 if len(in_flight) >= alpha:
                     break
                 queried.add(peer_id)
-                in_flight[self._find(peer_id, key_id, k)] = peer_id
+                in_flight[self._find(peer_id, key_id, k, find_value)] = peer_id
             if not in_flight:
                 break
             finished, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
@@ -877,14 +881,15 @@ class DHTNode:
     async def _rpc_find(self, request: Any, context: RPCContext) -> dict:
         key_ids = protocol.decode_find(request)
         k = protocol.requested_neighbors(request, self.bucket_size)
+        skipped = protocol.skipped_records(request, len(key_ids))
         self._heard_from(context.remote_id, request.get("sender"))
         requester = DHTID.for_peer(context.remote_id)
         entries = self._answer_entries_now()
         answers = []
         budget = protocol.MAX_ANSWER_RECORD_BYTES
-        for key_id in key_ids:
+        for index, key_id in enumerate(key_ids):
             nearest = self.routing.get_nearest_neighbors(key_id, k, exclude=requester)
-            record = _fit_record(self._local_record(key_id), budget)
+            record = None if index in skipped else _fit_record(self._local_record(key_id), budget)
             budget -= _record_size(record)
             listed = [entries.get(p) or self._answer_entry(p) for _, p in nearest]
             answers.append(FindAnswer(record, tuple(listed)))

@@ -161,13 +161,37 @@ def decode_store_result(message: Any, expected: int) -> list[str | None]:
 # ---------------------------------------------------------------------------- find
 
 
-def encode_find(key_ids: list[DHTID], k: int | None = None) -> dict:
+def encode_find(
+    key_ids: list[DHTID], k: int | None = None, skip_records: list[int] | None = None
+) -> dict:
     """``k``: how many nearest nodes the asker wants per key (the callee's bucket size if
-    omitted); a narrow lookup asks for fewer and gets smaller answers."""
+    omitted); a narrow lookup asks for fewer and gets smaller answers. ``skip_records``:
+    positions of keys whose record the asker does not want, only their nearest nodes (a
+    store's lookup: a run's progress dictionary came back with every one of its
+    lookups, which was most of what a DiLoCo peer sent). Older nodes ignore the field."""
     message: dict = {"keys": [key.to_bytes() for key in key_ids]}
     if k is not None:
         message["k"] = k
+    if skip_records:
+        message["skip_records"] = list(skip_records)
     return message
+
+
+def skipped_records(message: Any, num_keys: int) -> frozenset[int]:
+    """The ``skip_records`` of a find request: positions in [0, num_keys)."""
+    raw = message.get("skip_records") if isinstance(message, dict) else None
+    if raw is None:
+        return frozenset()
+    if not isinstance(raw, list) or len(raw) > num_keys:
+        raise ProtocolViolation(
+            f"find request: skip_records must list at most {num_keys} positions"
+        )
+    for index in raw:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_keys:
+            raise _fail(
+                "find request", f"skip_records holds {index!r}, not a position < {num_keys}"
+            )
+    return frozenset(raw)
 
 
 def requested_neighbors(message: Any, default: int) -> int:
