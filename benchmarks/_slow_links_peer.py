@@ -28,7 +28,7 @@ def say(**fields) -> None:
 
 def make_optimizer(args, dht, model):
     import swarmgrad
-    from swarmgrad.compression import Float16Compression, Uniform8BitQuantization
+    from swarmgrad.compression import Blockwise4BitQuantization, Uniform8BitQuantization
 
     adamw = functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
     common = dict(
@@ -58,9 +58,42 @@ def make_optimizer(args, dht, model):
         num_inner_steps=args.inner_steps,
         inner_optimizer=adamw,
         num_fragments=args.fragments if streaming else 1,
-        grad_compression=Uniform8BitQuantization() if streaming else Float16Compression(),
+        grad_compression=Uniform8BitQuantization() if streaming else Blockwise4BitQuantization(),
         **common,
     )
+
+
+def count_bytes_per_protocol() -> None:
+    """Diagnostics (``SLOW_COUNT_BYTES=1``): the payload bytes this peer writes per RPC or
+    protocol name, and the DHT keys it reads, printed to stderr at exit."""
+    import atexit
+    import collections
+    import re
+
+    from swarmgrad.dht import node as dht_node
+    from swarmgrad.net import mux
+
+    sent: collections.Counter = collections.Counter()
+    original = mux.Stream.write
+
+    async def counting_write(self, data, *, fin=False):
+        name = re.search(rb"[a-z_]+\.[a-z_]+", bytes(self.header[:80]))
+        sent[name.group().decode() if name else "other"] += len(data)
+        return await original(self, data, fin=fin)
+
+    mux.Stream.write = counting_write
+
+    gets: collections.Counter = collections.Counter()
+    original_get_many = dht_node.DHTNode.get_many
+
+    async def counting_get_many(self, keys, *args, **kwargs):
+        for key in keys:
+            gets[str(key)[:50]] += 1
+        return await original_get_many(self, keys, *args, **kwargs)
+
+    dht_node.DHTNode.get_many = counting_get_many
+    atexit.register(lambda: print("sent", json.dumps(sent.most_common(15)), file=sys.stderr))
+    atexit.register(lambda: print("read", json.dumps(gets.most_common(15)), file=sys.stderr))
 
 
 def main() -> None:
@@ -90,6 +123,10 @@ def main() -> None:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        if os.environ["SLOW_VERBOSE"] == "debug":  # matchmaking's decisions too
+            logging.getLogger("swarmgrad.averaging").setLevel(logging.DEBUG)
+    if os.environ.get("SLOW_COUNT_BYTES"):
+        count_bytes_per_protocol()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every peer starts from the same weights
     model = TinyGPT()

@@ -19,7 +19,8 @@ same inner optimizer (AdamW, lr 3e-3):
 * ``sync``: :class:`swarmgrad.Optimizer`, gradients averaged every step of the swarm
   (``target_batch_size`` = 4 x 16), uncompressed, as data-parallel training does;
 * ``diloco``: :class:`swarmgrad.DiLoCoOptimizer`, H = 50 inner steps per peer between
-  outer steps (Nesterov, lr 0.7), pseudo-gradients in float16 (as OpenDiLoCo);
+  outer steps (Nesterov, lr 0.7), pseudo-gradients in 4 bits (``blockwise_4bit``, error
+  feedback; OpenDiLoCo sent float16, INTELLECT-1 int8);
 * ``streaming``: the same with 4 fragments synced in turn and 8-bit pseudo-gradients
   (error feedback);
 * ``powersgd``: ``sync`` with :class:`swarmgrad.PowerSGDGradientAverager`, rank 4.
