@@ -50,6 +50,8 @@ _LAZY = {
     "register_expert_class": "swarmgrad.moe",
     "DecentralizedAverager": "swarmgrad.averaging",
     "GossipAverager": "swarmgrad.averaging",
+    "CenteredClip": "swarmgrad.averaging",
+    "TrimmedMean": "swarmgrad.averaging",
     "Optimizer": "swarmgrad.optim",
     "DiLoCoOptimizer": "swarmgrad.optim",
     "GradScaler": "swarmgrad.optim",

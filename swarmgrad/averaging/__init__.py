@@ -17,12 +17,16 @@ from swarmgrad.averaging.key_manager import Declaration, GroupKeyManager
 from swarmgrad.averaging.load_balancing import load_balance_peers
 from swarmgrad.averaging.matchmaking import Matchmaking
 from swarmgrad.averaging.partition import TensorPartContainer, TensorPartReducer
+from swarmgrad.averaging.robust import AggregationRule, CenteredClip, TrimmedMean
 from swarmgrad.averaging.round_plan import MemberInfo, RoundPlan, plan_round
 from swarmgrad.averaging.state_transfer import StateDownloader, StateSharing, load_state_from_peers
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 
 __all__ = [
     "AdaptiveTimeouts",
+    "AggregationRule",
+    "CenteredClip",
+    "TrimmedMean",
     "AllReduceResult",
     "AllReduceRunner",
     "AsyncDecentralizedAverager",

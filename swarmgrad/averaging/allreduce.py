@@ -71,6 +71,8 @@ from swarmgrad.averaging.partition import (
     TensorPartReducer,
     tensor_schema,
 )
+from swarmgrad.averaging.robust import AggregationRule
+from swarmgrad.averaging.robust_reducer import RobustPartReducer
 from swarmgrad.compression import (
     CompressionBase,
     CompressionInfo,
@@ -147,6 +149,9 @@ class AllReduceResult:
     excluded_senders: dict[PeerID, str] = field(default_factory=dict)  # from our span
     failed_reducers: dict[PeerID, str] = field(default_factory=dict)  # spans kept local
     deadline_exceeded: bool = False
+    # robust aggregation: per sender, the parts of our span in which the rule clipped or
+    # trimmed its input (evidence for accountability; empty with the plain mean)
+    limited_senders: dict[PeerID, int] = field(default_factory=dict)
 
     @property
     def fully_averaged(self) -> bool:
@@ -365,6 +370,8 @@ class AllReduceRunner:
       timeout: optional deadline for the whole round.
       averaging_alpha: 1 replaces local values by the average; less moves part way.
       buffer_pool: where receive and accumulation buffers come from and go back to.
+      aggregation: a robust :class:`~.robust.AggregationRule` the owner applies to its
+        span instead of the weighted mean (every member must use the same one).
     """
 
     def __init__(
@@ -386,8 +393,14 @@ class AllReduceRunner:
         timeout: float | None = None,
         averaging_alpha: float = 1.0,
         buffer_pool: BufferPool | None = None,
+        aggregation: AggregationRule | None = None,
     ):
         self.peer = peer
+        if aggregation is not None and not isinstance(aggregation, AggregationRule):
+            raise ValidationError(
+                f"aggregation must be an AggregationRule (e.g. CenteredClip()), got {aggregation!r}"
+            )
+        self.aggregation = aggregation
         self.group = group
         self.group_id = group.group_id
         ids = tuple(group.peer_ids if ordered_peer_ids is None else ordered_peer_ids)
@@ -523,8 +536,13 @@ class AllReduceRunner:
         acc_buffer = None
         if self.span_sizes[me] > 0:
             specs = [(spec.numel, spec.dtype) for spec in self.container.parts[me]]
-            acc_buffer = self.pool.take(TensorPartReducer.accumulator_nbytes(specs))
-            self._reducer = TensorPartReducer(specs, len(self.sender_indices), buffer=acc_buffer)
+            if self.aggregation is not None:
+                self._reducer = RobustPartReducer(specs, len(self.sender_indices), self.aggregation)
+            else:
+                acc_buffer = self.pool.take(TensorPartReducer.accumulator_nbytes(specs))
+                self._reducer = TensorPartReducer(
+                    specs, len(self.sender_indices), buffer=acc_buffer
+                )
         deadline_exceeded = False
         watchdog = None
         try:
@@ -582,7 +600,18 @@ class AllReduceRunner:
             excluded_senders=dict(self._excluded),
             failed_reducers=dict(self._failed_reducers),
             deadline_exceeded=deadline_exceeded,
+            limited_senders=self._limited_senders(),
         )
+
+    def _limited_senders(self) -> dict[PeerID, int]:
+        counts = getattr(self._reducer, "limited", None)
+        if counts is None:
+            return {}
+        return {
+            self.ordered_peer_ids[member]: counts[slot]
+            for member, slot in self._slot_of.items()
+            if counts[slot] and member != self.my_index
+        }
 
     # ---------------------------------------------------------------- sender side
 

@@ -54,6 +54,7 @@ _EXTRA_OPTIONS = {
     "rng",
     "aggregate",
     "aggregate_tag",
+    "aggregation",
 }
 _IGNORED_OPTIONS = {"daemon"}  # hivemind forks a process; nothing is forked here
 

@@ -59,6 +59,7 @@ from swarmgrad.averaging.deadlines import AdaptiveTimeouts
 from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.matchmaking import Matchmaking
 from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES, tensor_schema
+from swarmgrad.averaging.robust import AggregationRule
 from swarmgrad.averaging.round_plan import (
     RoundPlan,
     RoundSkipped,
@@ -186,6 +187,7 @@ class AsyncDecentralizedAverager:
         get_state: Callable[[], Any] | None = None,
         aggregate: Callable[[AveragingRound], Awaitable[None]] | None = None,
         aggregate_tag: str | None = None,
+        aggregation: AggregationRule | None = None,
         state_priority: float = 0.0,
         lock: Any = None,
         timeouts: AdaptiveTimeouts | None = None,
@@ -210,8 +212,17 @@ class AsyncDecentralizedAverager:
             )
         if aggregate_tag is not None and not check_aggregate_tag(aggregate_tag):
             raise ValidationError("aggregate_tag must not be empty")
+        if aggregation is not None and not isinstance(aggregation, AggregationRule):
+            raise ValidationError(
+                f"aggregation must be an AggregationRule (CenteredClip(...), TrimmedMean(...)), "
+                f"got {aggregation!r}"
+            )
         self._aggregate = aggregate
-        self.aggregate_tag = aggregate_tag or ""
+        self.aggregation = aggregation
+        # what members compare before averaging: the custom hook's tag and the robust rule
+        self.aggregate_tag = "+".join(
+            t for t in (aggregate_tag, aggregation.tag if aggregation else None) if t
+        )
         if not isinstance(averaging_alpha, int | float) or not 0 < averaging_alpha <= 1:
             raise ValidationError(f"averaging_alpha must be in (0, 1], got {averaging_alpha!r}")
         if type(part_size_bytes) is not int or part_size_bytes <= 0:
@@ -635,6 +646,7 @@ class AsyncDecentralizedAverager:
             timeouts=self._timeouts_for_round(),
             timeout=budget,
             averaging_alpha=self.averaging_alpha,
+            aggregation=self.aggregation,
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,161 @@
+"""Robust aggregation rules: what a span's owner computes from its senders' parts when some
+senders may lie.
+
+A plain weighted mean lets one peer move the average anywhere (send a gradient scaled by
+1000, or claim the whole batch as its weight). These rules bound that influence:
+
+* :class:`CenteredClip` (Karimireddy, He and Jaggi, 2021, as used by Gorbunov et al.'s
+  BTARD): start at the coordinate-wise median, then repeatedly move the center by the
+  weighted mean of each input's offset clipped to norm ``tau``. An input farther than
+  ``tau`` from the center pulls with force ``tau`` at most, so a minority of outliers moves
+  the result by a bounded amount however large they are.
+* :class:`TrimmedMean`: per coordinate, drop the ``trim`` largest and smallest values and
+  average the rest (weights are not used: a weight is itself a claim).
+
+Both cap weights first (:func:`cap_weights`): no input counts for more than
+``max_weight_ratio`` times the median weight. Inputs with NaN or Inf are dropped by the
+caller before (the all-reduce excludes such senders).
+
+Rules are applied per *part* of a span (the unit the all-reduce streams), so ``tau``
+bounds the clipped offset of each part, not of the whole vector: clipping in blocks is
+as robust per block and needs no second pass over the span (see docs/design-notes.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from swarmgrad.utils.errors import ValidationError
+
+__all__ = ["AggregationRule", "CenteredClip", "TrimmedMean", "cap_weights"]
+
+
+def cap_weights(weights: torch.Tensor, max_weight_ratio: float) -> torch.Tensor:
+    """``min(w, max_weight_ratio x median(w))`` per input (the lower median for an even
+    count); all-zero weights stay zero."""
+    if weights.numel() == 0:
+        return weights
+    median = float(weights.median())
+    if median <= 0:
+        median = float(weights[weights > 0].median()) if bool((weights > 0).any()) else 0.0
+    if median <= 0:
+        return weights
+    return weights.clamp(max=max_weight_ratio * median)
+
+
+@dataclass(frozen=True)
+class AggregationRule:
+    """Base: ``aggregate(inputs, weights)`` with inputs of shape ``[n, d]`` (float32 or
+    float64) and weights ``[n]``; returns the ``[d]`` result and, per input, whether the
+    rule limited its influence (clipped or trimmed in most coordinates)."""
+
+    max_weight_ratio: float = 3.0
+
+    def __post_init__(self) -> None:
+        ratio = self.max_weight_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio >= 1:
+            raise ValidationError(f"max_weight_ratio must be a number >= 1, got {ratio!r}")
+
+    @property
+    def tag(self) -> str:
+        """What members compare: peers with another rule (or other parameters) never
+        average together."""
+        raise NotImplementedError
+
+    def aggregate(
+        self, inputs: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, list[bool]]:
+        raise NotImplementedError
+
+    def _check(self, inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if inputs.dim() != 2 or weights.shape != (inputs.shape[0],):
+            raise ValidationError(
+                f"inputs must be [n, d] with n weights, got {tuple(inputs.shape)} and "
+                f"{tuple(weights.shape)}"
+            )
+        if inputs.shape[0] == 0:
+            raise ValidationError("nothing to aggregate: no inputs")
+        weights = weights.to(inputs.dtype)
+        if bool((weights < 0).any()) or not bool(torch.isfinite(weights).all()):
+            raise ValidationError("weights must be finite and >= 0")
+        if float(weights.sum()) <= 0:  # all weight 0 (auxiliary-only): equal weights
+            weights = torch.ones_like(weights)
+        return cap_weights(weights, self.max_weight_ratio)
+
+
+@dataclass(frozen=True)
+class CenteredClip(AggregationRule):
+    """``CenteredClip(tau=1.0, n_iters=20)``; ``tau`` in the units of the averaged values
+    (a gradient's per-part norm scale), ``n_iters`` the fixed-point iterations."""
+
+    tau: float = 1.0
+    n_iters: int = 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.tau, bool) or not isinstance(self.tau, int | float):
+            raise ValidationError(f"tau must be a positive number, got {self.tau!r}")
+        if not 0 < self.tau < math.inf:
+            raise ValidationError(f"tau must be a positive number, got {self.tau!r}")
+        if isinstance(self.n_iters, bool) or not isinstance(self.n_iters, int):
+            raise ValidationError(f"n_iters must be a positive int, got {self.n_iters!r}")
+        if self.n_iters <= 0:
+            raise ValidationError(f"n_iters must be a positive int, got {self.n_iters}")
+
+    @property
+    def tag(self) -> str:
+        return f"centered_clip(tau={self.tau!r},iters={self.n_iters},cap={self.max_weight_ratio!r})"
+
+    def aggregate(
+        self, inputs: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, list[bool]]:
+        weights = self._check(inputs, weights)
+        total = weights.sum()
+        center = inputs.median(dim=0).values
+        clipped = torch.zeros(inputs.shape[0], dtype=torch.bool)
+        for _ in range(self.n_iters):
+            offsets = inputs - center
+            norms = offsets.norm(dim=1)
+            scale = torch.clamp(self.tau / norms.clamp_min(1e-30), max=1.0)
+            clipped = norms > self.tau
+            step = (weights * scale) @ offsets / total
+            center = center + step
+            if float(step.norm()) <= 1e-7 * max(1.0, float(center.norm())):
+                break
+        return center, clipped.tolist()
+
+
+@dataclass(frozen=True)
+class TrimmedMean(AggregationRule):
+    """``TrimmedMean(trim=1)``: drop the ``trim`` largest and smallest values of each
+    coordinate (at most ``(n - 1) // 2`` each way; with fewer inputs, the median)."""
+
+    trim: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.trim, bool) or not isinstance(self.trim, int) or self.trim < 0:
+            raise ValidationError(f"trim must be an int >= 0, got {self.trim!r}")
+
+    @property
+    def tag(self) -> str:
+        return f"trimmed_mean(trim={self.trim})"
+
+    def aggregate(
+        self, inputs: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, list[bool]]:
+        self._check(inputs, weights)
+        n = inputs.shape[0]
+        trim = min(self.trim, (n - 1) // 2)
+        ordered, order = inputs.sort(dim=0)
+        kept = ordered[trim : n - trim]
+        result = kept.mean(dim=0)
+        if trim == 0:
+            return result, [False] * n
+        # an input counts as trimmed where most of its coordinates were cut away
+        ranks = order.argsort(dim=0)
+        cut = (ranks < trim) | (ranks >= n - trim)
+        return result, (cut.float().mean(dim=1) > 0.5).tolist()

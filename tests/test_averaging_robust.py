@@ -1,0 +1,182 @@
+"""Robust aggregation: the rules' properties (hypothesis), the owner-side reducer, and a
+round on the simulated network in which one member scales its tensors by 1000."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_averaging_averager import simulate, start_swarm, stop
+
+from swarmgrad.averaging.robust import CenteredClip, TrimmedMean, cap_weights
+from swarmgrad.averaging.robust_reducer import RobustPartReducer
+from swarmgrad.utils.errors import ProtocolViolation, ValidationError
+
+RULES = [CenteredClip(tau=1.0), TrimmedMean(trim=1)]
+
+
+def honest_and_outliers(draw, n_honest: int, n_bad: int, dim: int):
+    values = st.floats(-1.0, 1.0, allow_nan=False, width=32)
+    honest = torch.tensor(draw(st.lists(values, min_size=n_honest * dim, max_size=n_honest * dim)))
+    magnitude = draw(st.sampled_from([1e3, 1e6]))
+    signs = draw(st.lists(st.sampled_from([-1.0, 1.0]), min_size=n_bad * dim, max_size=n_bad * dim))
+    bad = torch.tensor(signs) * magnitude
+    return honest.view(n_honest, dim), bad.view(n_bad, dim)
+
+
+@st.composite
+def swarms(draw):
+    n_honest = draw(st.integers(3, 7))
+    n_bad = draw(st.integers(0, (n_honest - 1) // 2))
+    dim = draw(st.integers(1, 6))
+    return honest_and_outliers(draw, n_honest, n_bad, dim)
+
+
+@given(st.integers(1, 6), st.integers(1, 5), st.floats(-5, 5, allow_nan=False))
+def test_equal_inputs_give_that_input(n, dim, value):
+    inputs = torch.full((n, dim), value, dtype=torch.float64)
+    for rule in RULES:
+        result, limited = rule.aggregate(inputs, torch.ones(n))
+        assert torch.allclose(result, inputs[0]) and len(limited) == n
+
+
+@settings(max_examples=60)
+@given(swarms(), st.randoms(use_true_random=False))
+def test_a_minority_of_huge_outliers_cannot_move_the_result_far(swarm, rng):
+    honest, bad = swarm
+    inputs = torch.cat([honest, bad]).double()
+    weights = torch.ones(inputs.shape[0])
+    order = list(range(inputs.shape[0]))
+    rng.shuffle(order)
+    for rule in RULES:
+        result, limited = rule.aggregate(inputs, weights)
+        if isinstance(rule, TrimmedMean) and bad.shape[0] <= rule.trim:
+            # trimmed out entirely: inside the honest range, coordinate by coordinate
+            assert bool((result >= honest.min(0).values - 1e-9).all())
+            assert bool((result <= honest.max(0).values + 1e-9).all())
+        if isinstance(rule, CenteredClip):
+            # each outlier pulls with force tau at most: the center stays within the
+            # honest inputs' spread plus tau times the outliers' share, times two
+            spread = float((honest.double() - honest.double().mean(0)).norm(dim=1).max())
+            share = bad.shape[0] / (honest.shape[0] - bad.shape[0])
+            distance = float((result - honest.double().mean(0)).norm())
+            assert distance <= 2 * (spread + rule.tau * share) + 1e-6
+            assert all(limited[honest.shape[0] :])  # every outlier was clipped
+        permuted, _ = rule.aggregate(inputs[order], weights[order])
+        assert torch.allclose(permuted, result, atol=1e-9)
+
+
+def test_a_plain_mean_is_moved_anywhere_by_one_outlier_and_the_rules_are_not():
+    honest = torch.randn(5, 20, generator=torch.Generator().manual_seed(0))
+    inputs = torch.cat([honest, 1000 * honest[:1]])
+    target = honest.mean(0)
+    assert float((inputs.mean(0) - target).norm()) > 100
+    for rule in RULES:
+        result, limited = rule.aggregate(inputs, torch.ones(6))
+        assert float((result - target).norm()) < 2.0, rule
+
+
+def test_weights_are_capped_at_a_multiple_of_the_median():
+    capped = cap_weights(torch.tensor([1.0, 1.0, 2.0, 1000.0]), 3.0)
+    assert capped.tolist() == [1.0, 1.0, 2.0, 3.0]
+    assert cap_weights(torch.zeros(3), 3.0).tolist() == [0.0, 0.0, 0.0]
+    rule = CenteredClip(tau=10.0)
+    inputs = torch.tensor([[0.0], [0.0], [0.0], [9.0]])
+    result, _ = rule.aggregate(inputs, torch.tensor([1.0, 1.0, 1.0, 1e9]))
+    assert float(result) <= 9.0 * 3 / 6 + 1e-6  # the claim counts as 3, not a billion
+
+
+def test_bad_parameters_and_inputs_are_refused_by_name():
+    for make, reason in (
+        (lambda: CenteredClip(tau=0), "tau must be a positive number"),
+        (lambda: CenteredClip(tau=float("inf")), "tau must be a positive number"),
+        (lambda: CenteredClip(n_iters=0), "n_iters must be a positive int"),
+        (lambda: CenteredClip(max_weight_ratio=0.5), "max_weight_ratio must be a number >= 1"),
+        (lambda: TrimmedMean(trim=-1), "trim must be an int >= 0"),
+    ):
+        with pytest.raises(ValidationError, match=reason):
+            make()
+    rule = CenteredClip()
+    with pytest.raises(ValidationError, match="inputs must be"):
+        rule.aggregate(torch.zeros(3), torch.ones(3))
+    with pytest.raises(ValidationError, match="no inputs"):
+        rule.aggregate(torch.zeros(0, 2), torch.ones(0))
+    with pytest.raises(ValidationError, match="weights must be finite"):
+        rule.aggregate(torch.zeros(2, 2), torch.tensor([1.0, -1.0]))
+    assert CenteredClip(tau=1.0).tag != CenteredClip(tau=2.0).tag != TrimmedMean().tag
+
+
+# ---------------------------------------------------------------------- the reducer
+
+
+def test_the_reducer_applies_the_rule_per_part_and_counts_who_was_limited(arun):
+    async def main():
+        reducer = RobustPartReducer([(4, torch.float32), (2, torch.float16)], 4, TrimmedMean(1))
+        parts = [[torch.full((4,), float(s)), torch.full((2,), float(s)).half()] for s in range(3)]
+        parts.append([torch.full((4,), 1e6), torch.full((2,), 1e4).half()])
+        for sender, (first, second) in enumerate(parts):
+            reducer.accumulate_part(sender, 0, first)
+            if sender != 3:
+                reducer.accumulate_part(sender, 1, second)
+        with pytest.raises(ProtocolViolation, match="sent part 1 twice"):
+            reducer.accumulate_part(0, 1, parts[0][1])
+        with pytest.raises(ProtocolViolation, match="part 0 is already finished"):
+            reducer.accumulate_part(3, 0, parts[3][0])
+        with pytest.raises(ProtocolViolation, match=r"must be 2 torch\.float16 values"):
+            reducer.accumulate_part(3, 1, torch.zeros(3))
+        assert not reducer.finished
+        reducer.on_sender_failed(3)  # part 1 finishes without it
+        await reducer.wait_all()
+        first, second = (reducer.part_future(k).result() for k in range(2))
+        assert first.tolist() == [1.5] * 4  # 0 and 1e6 cut, mean of 1 and 2
+        assert second.dtype == torch.float16 and second.tolist() == [1.0, 1.0]
+        assert reducer.limited[3] == 1 and reducer.contributions == [2, 2, 2, 1]
+
+    arun(main)
+
+
+# ---------------------------------------------------------------------- a round
+
+
+def test_a_member_scaling_its_tensors_by_1000_is_clipped_and_named_in_the_result():
+    honest = [[torch.randn(64, generator=torch.Generator().manual_seed(i))] for i in range(4)]
+    attacker = [honest[0][0] * 1000]
+    sets = [[t.clone() for t in ts] for ts in honest] + [attacker]
+    target = torch.stack([ts[0] for ts in honest]).mean(0)
+    rule = CenteredClip(tau=2.0, n_iters=50)
+
+    async def main(network):
+        nodes, avgs = await start_swarm(network, sets, seed=4, aggregation=rule)
+        await asyncio.gather(*(a.step(timeout=20) for a in avgs))
+        last = [a.last_result for a in avgs]
+        attacker_id = avgs[-1].peer.peer_id
+        await stop(nodes, avgs)
+        return last, attacker_id
+
+    last, attacker_id = simulate(main)
+    for ts in sets[:4]:
+        assert float((ts[0] - target).norm()) < 3.0  # the plain mean would be ~250 away
+    assert all(r.fully_averaged for r in last[:4])
+    assert all(r.limited_senders.get(attacker_id, 0) >= 1 for r in last[:4] if r is not None)
+
+
+def test_members_with_another_rule_never_average_together(caplog):
+    sets = [[torch.full((8,), float(i))] for i in range(2)]
+    per_peer = [{"aggregation": CenteredClip(tau=1.0)}, {"aggregation": TrimmedMean(1)}]
+
+    async def main(network):
+        nodes, avgs = await start_swarm(network, sets, seed=5, per_peer=per_peer)
+        results = await asyncio.gather(*(a.step(timeout=8) for a in avgs))
+        await stop(nodes, avgs)
+        return results
+
+    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging"):
+        results = simulate(main)
+    assert results == [None, None]
+    assert sets[0][0].tolist() == [0.0] * 8 and sets[1][0].tolist() == [1.0] * 8
+    said = [r.getMessage() for r in caplog.records if "nobody in the group" in r.getMessage()]
+    assert said and all("centered_clip" in m and "trimmed_mean" in m for m in said)
