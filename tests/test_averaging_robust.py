@@ -147,7 +147,7 @@ def test_a_member_scaling_its_tensors_by_1000_is_clipped_and_named_in_the_result
     attacker = [honest[0][0] * 1000]
     sets = [[t.clone() for t in ts] for ts in honest] + [attacker]
     target = torch.stack([ts[0] for ts in honest]).mean(0)
-    rule = CenteredClip(tau=2.0, n_iters=50)
+    rule = CenteredClip(tau=20.0, n_iters=50)  # above the honest spread: only it is clipped
 
     async def main(network):
         nodes, avgs = await start_swarm(network, sets, seed=4, aggregation=rule)
@@ -159,7 +159,9 @@ def test_a_member_scaling_its_tensors_by_1000_is_clipped_and_named_in_the_result
 
     last, attacker_id = simulate(main)
     for ts in sets[:4]:
-        assert float((ts[0] - target).norm()) < 3.0  # the plain mean would be ~250 away
+        # the clipped attacker moves each of the 5 spans' results by tau / 4 at most (the
+        # plain mean would be ~1600 away)
+        assert float((ts[0] - target).norm()) <= rule.tau / 4 * 5**0.5 + 0.5
     assert all(r.fully_averaged for r in last[:4])
     assert all(r.limited_senders.get(attacker_id, 0) >= 1 for r in last[:4] if r is not None)
 
@@ -180,3 +182,47 @@ def test_members_with_another_rule_never_average_together(caplog):
     assert sets[0][0].tolist() == [0.0] * 8 and sets[1][0].tolist() == [1.0] * 8
     said = [r.getMessage() for r in caplog.records if "nobody in the group" in r.getMessage()]
     assert said and all("centered_clip" in m and "trimmed_mean" in m for m in said)
+
+
+class LyingRule(CenteredClip):
+    """Announces CenteredClip, returns its result scaled by 100: a malicious reducer."""
+
+    def aggregate(self, inputs, weights):
+        result, limited = super().aggregate(inputs, weights)
+        return result * 100, limited
+
+
+def test_a_reducer_returning_a_wrong_average_is_caught_named_and_banned():
+    sets = [[torch.randn(64, generator=torch.Generator().manual_seed(i))] for i in range(3)]
+    before = [[t.clone() for t in ts] for ts in sets]
+    rule = CenteredClip(tau=2.0)
+    liar_rule = LyingRule(tau=2.0)
+    assert liar_rule.tag == rule.tag  # it claims the same rule
+    per_peer = [{}, {}, {"aggregation": liar_rule}]
+
+    async def main(network):
+        nodes, avgs = await start_swarm(
+            network, sets, seed=6, per_peer=per_peer, aggregation=rule, ban_after=1
+        )
+        await asyncio.gather(*(a.step(timeout=20) for a in avgs))
+        liar = avgs[2].peer.peer_id
+        results = [a.last_result for a in avgs[:2]]
+        evidence = [a.offenders.counts.get(liar) for a in avgs[:2]]
+        banned = [a.offenders.is_banned(liar) for a in avgs[:2]]
+        second = await asyncio.gather(*(a.step(timeout=6) for a in avgs))
+        await stop(nodes, avgs)
+        return liar, results, evidence, banned, second
+
+    liar, results, evidence, banned, second = simulate(main)
+    for result, counts in zip(results, evidence, strict=True):
+        assert liar in result.bad_reducers and "beyond the" in result.failed_reducers[liar]
+        assert counts is not None and counts.bad_reductions == 1
+    assert banned == [True, True]
+    # the liar's span stayed local on the honest peers: those values are untouched
+    assert results[0].local_spans and results[0].local_spans == results[1].local_spans
+    for ts, old in zip(sets[:2], before[:2], strict=True):
+        assert not torch.equal(ts[0], old[0])  # the honest spans were averaged
+        assert float(ts[0].abs().max()) < 10  # nothing scaled by 100 was written
+    # banned: the honest peers met again without the liar
+    assert second[2] is None
+    assert second[0] is not None and len(second[0]) == 2 and liar not in second[0]

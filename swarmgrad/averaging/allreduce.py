@@ -104,6 +104,7 @@ __all__ = [
     "AllReduceRouter",
     "AllReduceRunner",
     "AveragingMode",
+    "BadReduction",
     "GroupMismatch",
     "UnknownGroup",
 ]
@@ -135,6 +136,10 @@ class GroupMismatch(ValidationError):
     """Members disagree on what they average: tensor shapes or dtypes, spans, part size."""
 
 
+class BadReduction(ProtocolViolation):
+    """A span's owner returned a result that fails the robust rule's check."""
+
+
 class UnknownGroup(ValidationError):
     """Parts arrived for a group this peer does not average in (or no longer does)."""
 
@@ -152,6 +157,7 @@ class AllReduceResult:
     # robust aggregation: per sender, the parts of our span in which the rule clipped or
     # trimmed its input (evidence for accountability; empty with the plain mean)
     limited_senders: dict[PeerID, int] = field(default_factory=dict)
+    bad_reducers: frozenset[PeerID] = frozenset()  # spans whose result failed the check
 
     @property
     def fully_averaged(self) -> bool:
@@ -454,6 +460,7 @@ class AllReduceRunner:
         self._admitted: set[int] = set()
         self._excluded: dict[PeerID, str] = {}
         self._failed_reducers: dict[PeerID, str] = {}
+        self._bad_reducers: set[PeerID] = set()
         self._mismatches: list[str] = []
         self._averaged: set[int] = set()
         self._remote_contributions = 0
@@ -601,6 +608,7 @@ class AllReduceRunner:
             failed_reducers=dict(self._failed_reducers),
             deadline_exceeded=deadline_exceeded,
             limited_senders=self._limited_senders(),
+            bad_reducers=frozenset(self._bad_reducers),
         )
 
     def _limited_senders(self) -> dict[PeerID, int]:
@@ -651,6 +659,8 @@ class AllReduceRunner:
                 )
             else:
                 averaged = await self._receive_framed(stream, span_index, meter, lambda: sent[0])
+            if self.aggregation is not None:
+                self._check_robust_result(span_index, averaged)
             for part_index, values in enumerate(averaged):
                 self.container.apply_part(span_index, part_index, values, self.averaging_alpha)
             self._averaged.add(span_index)
@@ -661,6 +671,8 @@ class AllReduceRunner:
         except (SwarmgradError, OSError, TimeoutError) as e:
             reason = _describe(e)
             self._failed_reducers[owner] = reason
+            if isinstance(e, BadReduction):
+                self._bad_reducers.add(owner)
             if isinstance(e, RemoteError) and e.remote_type == GroupMismatch.__name__:
                 self._mismatches.append(e.args[0])
             if _peer_is_gone(e) and self._reducer is not None and span_index in self._slot_of:
@@ -680,6 +692,24 @@ class AllReduceRunner:
                 await _settle(writer)
             if result_buffer is not None:
                 self.pool.give(result_buffer)
+
+    def _check_robust_result(self, span_index: int, averaged: Sequence[torch.Tensor]) -> None:
+        """Robust mode: a span whose result lies farther from our own input than the rule
+        allows (:meth:`~.robust.AggregationRule.max_result_distance`, over the whole span)
+        is a bad reduction; the span stays local and its owner is named."""
+        assert self.aggregation is not None
+        squared_distance = squared_norm = 0.0
+        for part_index, values in enumerate(averaged):
+            own = self.container.local_part(span_index, part_index).double().reshape(-1)
+            squared_distance += float((values.double().reshape(-1) - own).square().sum())
+            squared_norm += float(own.square().sum())
+        distance = math.sqrt(squared_distance)
+        bound = self.aggregation.max_result_distance(math.sqrt(squared_norm))
+        if not distance <= bound:
+            raise BadReduction(
+                f"span {span_index} came back {distance:.4g} away from our input, beyond "
+                f"the {bound:.4g} that {self.aggregation.tag} allows"
+            )
 
     async def _send_parts(self, stream: Any, span_index: int, sent: list[int]) -> None:
         """Write our parts of a span; ``sent[0]`` counts bytes (the owner is alive while

@@ -105,8 +105,11 @@ class DecentralizedAverager:
         and ``aggregate_tag`` (a coroutine function run in each formed group instead of
         the plain all-reduce, for averaging in several phases, and the text that keeps
         peers with another one apart; see
-        :class:`~.averager_core.AsyncDecentralizedAverager`); ``daemon`` is accepted and
-        ignored.
+        :class:`~.averager_core.AsyncDecentralizedAverager`); ``aggregation`` (a robust
+        rule, :class:`~.robust.CenteredClip` or :class:`~.robust.TrimmedMean`, applied by
+        each span's owner; members must use the same), ``ban_after`` and
+        ``ban_duration`` (exclude a peer from our groups after that many offending
+        rounds, :mod:`.offenders`); ``daemon`` is accepted and ignored.
     """
 
     def __init__(
@@ -275,6 +278,11 @@ class DecentralizedAverager:
     def last_result(self) -> AllReduceResult | None:
         """What the latest all-reduce round did (spans averaged or kept, peers dropped)."""
         return self._core.last_result if self._core is not None else None
+
+    @property
+    def offenders(self) -> dict[str, dict[str, int | bool]]:
+        """Robust averaging's evidence per peer: rounds clipped, bad reductions, banned."""
+        return self._core.offenders.as_metrics() if self._core is not None else {}
 
     def get_group_bits(self) -> str:
         core = self._core

@@ -58,6 +58,7 @@ from swarmgrad.averaging.allreduce import (
 from swarmgrad.averaging.deadlines import AdaptiveTimeouts
 from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.matchmaking import Matchmaking
+from swarmgrad.averaging.offenders import OffenderLog
 from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES, tensor_schema
 from swarmgrad.averaging.robust import AggregationRule
 from swarmgrad.averaging.round_plan import (
@@ -188,6 +189,8 @@ class AsyncDecentralizedAverager:
         aggregate: Callable[[AveragingRound], Awaitable[None]] | None = None,
         aggregate_tag: str | None = None,
         aggregation: AggregationRule | None = None,
+        ban_after: int | None = None,
+        ban_duration: float = 600.0,
         state_priority: float = 0.0,
         lock: Any = None,
         timeouts: AdaptiveTimeouts | None = None,
@@ -310,6 +313,14 @@ class AsyncDecentralizedAverager:
             rng=rng,
         )
         self.last_result: AllReduceResult | None = None
+        if ban_after is not None and (
+            isinstance(ban_after, bool) or not isinstance(ban_after, int) or ban_after < 1
+        ):
+            raise ValidationError(f"ban_after must be a positive int or None, got {ban_after!r}")
+        if not isinstance(ban_duration, int | float) or not 0 < ban_duration < math.inf:
+            raise ValidationError(f"ban_duration must be positive seconds, got {ban_duration!r}")
+        self.offenders = OffenderLog(ban_after, float(ban_duration), prefix)
+        self.matchmaking.is_banned = self.offenders.is_banned
         self._lock_holder = LoopLockHolder(self.lock)
         self._step_lock = asyncio.Lock()
         self._steps: set[asyncio.Task] = set()
@@ -568,6 +579,7 @@ class AsyncDecentralizedAverager:
         if result is None:
             return None
         self.last_result = result
+        self.offenders.record(result)
         if not _averaged_with_someone(plan, me, result):
             logger.warning("%s: round %s averaged nothing with anyone", self, _summary(result))
             return None

@@ -40,7 +40,7 @@ import logging
 import math
 import random
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,7 @@ class Rejection(enum.StrEnum):
     GROUP_FULL = "group_full"
     TOO_LATE = "too_late"
     DUPLICATE_PEER_ID = "duplicate_peer_id"
+    BANNED = "banned"  # this peer banned the requester from its groups for a while
 
 
 # ---------------------------------------------------------------------- routing by prefix
@@ -250,6 +251,8 @@ class Matchmaking:
         self._maddrs_of: dict[PeerID, tuple[str, ...]] = {}  # leaders' declared addresses
         self._search: _Search | None = None
         self._closed = False
+        # a local ban (robust averaging's accountability): never lead or follow these
+        self.is_banned: Callable[[PeerID], bool] = lambda peer_id: False
         _attach(peer, prefix, self)
 
     # ------------------------------------------------------------------ public API
@@ -441,6 +444,8 @@ class Matchmaking:
     def _may_follow(self, s: _Search, d: Declaration) -> bool:
         if d.peer_id == self.peer.peer_id or d.client_mode or d.ready_by <= self._dht_time():
             return False
+        if self.is_banned(d.peer_id):
+            return False
         if self.client_mode:
             return True
         return (d.ready_by, d.peer_id) < (s.ready_by, self.peer.peer_id)
@@ -567,6 +572,10 @@ class Matchmaking:
             return _rejected(
                 Rejection.BAD_REQUEST,
                 f"gathered data of {len(gather)} bytes exceeds {self.max_gather_bytes}",
+            )
+        if self.is_banned(remote):
+            return _rejected(
+                Rejection.BANNED, f"{remote} is banned from {self.peer.peer_id}'s groups for now"
             )
         if s is None or self._closed or s.assembled:
             return _rejected(Rejection.NOT_LOOKING, f"{self.peer.peer_id} is not looking")

@@ -53,11 +53,23 @@ class AggregationRule:
     rule limited its influence (clipped or trimmed in most coordinates)."""
 
     max_weight_ratio: float = 3.0
+    check_factor: float = 4.0
 
     def __post_init__(self) -> None:
         ratio = self.max_weight_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio >= 1:
             raise ValidationError(f"max_weight_ratio must be a number >= 1, got {ratio!r}")
+        factor = self.check_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            raise ValidationError(f"check_factor must be a positive number, got {factor!r}")
+
+    def max_result_distance(self, own_norm: float) -> float:
+        """How far a span's result may lie from a receiver's own input before the receiver
+        calls the reduction bad (a norm bound: the receiver knows only its own input).
+        Honest inputs of similar size average within about twice their norm of each one;
+        a reducer that scales or replaces the result by something large fails it, a
+        subtle shift does not (docs/security.md)."""
+        return self.check_factor * own_norm + 1e-6
 
     @property
     def tag(self) -> str:
@@ -109,6 +121,9 @@ class CenteredClip(AggregationRule):
     def tag(self) -> str:
         return f"centered_clip(tau={self.tau!r},iters={self.n_iters},cap={self.max_weight_ratio!r})"
 
+    def max_result_distance(self, own_norm: float) -> float:
+        return self.check_factor * (own_norm + self.tau)
+
     def aggregate(
         self, inputs: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, list[bool]]:
@@ -150,12 +165,14 @@ class TrimmedMean(AggregationRule):
         self._check(inputs, weights)
         n = inputs.shape[0]
         trim = min(self.trim, (n - 1) // 2)
-        ordered, order = inputs.sort(dim=0)
+        ordered = inputs.sort(dim=0).values
         kept = ordered[trim : n - trim]
         result = kept.mean(dim=0)
         if trim == 0:
             return result, [False] * n
-        # an input counts as trimmed where most of its coordinates were cut away
-        ranks = order.argsort(dim=0)
-        cut = (ranks < trim) | (ranks >= n - trim)
-        return result, (cut.float().mean(dim=1) > 0.5).tolist()
+        # an input stands out where most of its coordinates lie beyond the kept values
+        # by more than their spread (the extremes that every trim cuts do not)
+        low, high = kept[0], kept[-1]
+        spread = (high - low).clamp_min(1e-12)
+        outside = (inputs < low - spread) | (inputs > high + spread)
+        return result, (outside.float().mean(dim=1) > 0.5).tolist()

@@ -5,7 +5,9 @@ The same interface as :class:`~.partition.TensorPartReducer`, which keeps only a
 sum: a robust rule needs all inputs at once, so this reducer holds ``senders x part``
 values per part until the part is finished (memory: the span times the group size, for
 the duration of a part). It also counts, per sender, the parts in which the rule limited
-that sender's influence (``limited``): the evidence for accountability.
+that sender's influence while most senders were not limited (``limited``): the evidence
+for accountability. When most inputs are clipped, ``tau`` is simply small for this
+data and nobody stands out, so nobody is blamed.
 """
 
 from __future__ import annotations
@@ -130,8 +132,9 @@ class RobustPartReducer:
             stack = torch.stack([inputs[s][0] for s in senders])
             weights = torch.tensor([inputs[s][1] for s in senders], dtype=stack.dtype)
             aggregated, limited = self.rule.aggregate(stack, weights)
-            for sender, was_limited in zip(senders, limited, strict=True):
-                self.limited[sender] += int(was_limited)
+            if sum(limited) * 2 <= len(senders):  # at most half stood out: evidence
+                for sender, was_limited in zip(senders, limited, strict=True):
+                    self.limited[sender] += int(was_limited)
             result = aggregated.to(self.part_specs[part_index][1])
         self._inputs[part_index] = {}
         future.set_result(result)
