@@ -4,6 +4,7 @@ round on the simulated network in which one member scales its tensors by 1000.""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import pytest
@@ -226,3 +227,26 @@ def test_a_reducer_returning_a_wrong_average_is_caught_named_and_banned():
     # banned: the honest peers met again without the liar
     assert second[2] is None
     assert second[0] is not None and len(second[0]) == 2 and liar not in second[0]
+
+
+def test_the_facade_takes_the_rule_and_the_ban_and_refuses_bad_values_by_name():
+    from swarmgrad.averaging.averager import DecentralizedAverager
+    from swarmgrad.dht import DHT
+
+    dht = DHT(start=True)
+    try:
+        make = functools.partial(DecentralizedAverager, [torch.zeros(4)], dht, prefix="robust")
+        averager = make(start=True, aggregation=CenteredClip(tau=0.5), ban_after=2)
+        try:
+            assert averager.offenders == {}
+        finally:
+            averager.shutdown()
+        for options, reason in (
+            ({"aggregation": "centered_clip"}, "aggregation must be an AggregationRule"),
+            ({"ban_after": 0}, "ban_after must be a positive int or None"),
+            ({"ban_duration": -1}, "ban_duration must be positive seconds"),
+        ):
+            with pytest.raises(ValidationError, match=reason):
+                make(start=True, **options)
+    finally:
+        dht.shutdown()

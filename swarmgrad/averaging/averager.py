@@ -55,6 +55,8 @@ _EXTRA_OPTIONS = {
     "aggregate",
     "aggregate_tag",
     "aggregation",
+    "ban_after",
+    "ban_duration",
 }
 _IGNORED_OPTIONS = {"daemon"}  # hivemind forks a process; nothing is forked here
 

@@ -220,6 +220,12 @@ class AsyncDecentralizedAverager:
                 f"aggregation must be an AggregationRule (CenteredClip(...), TrimmedMean(...)), "
                 f"got {aggregation!r}"
             )
+        if ban_after is not None and (
+            isinstance(ban_after, bool) or not isinstance(ban_after, int) or ban_after < 1
+        ):
+            raise ValidationError(f"ban_after must be a positive int or None, got {ban_after!r}")
+        if not isinstance(ban_duration, int | float) or not 0 < ban_duration < math.inf:
+            raise ValidationError(f"ban_duration must be positive seconds, got {ban_duration!r}")
         self._aggregate = aggregate
         self.aggregation = aggregation
         # what members compare before averaging: the custom hook's tag and the robust rule
@@ -313,12 +319,6 @@ class AsyncDecentralizedAverager:
             rng=rng,
         )
         self.last_result: AllReduceResult | None = None
-        if ban_after is not None and (
-            isinstance(ban_after, bool) or not isinstance(ban_after, int) or ban_after < 1
-        ):
-            raise ValidationError(f"ban_after must be a positive int or None, got {ban_after!r}")
-        if not isinstance(ban_duration, int | float) or not 0 < ban_duration < math.inf:
-            raise ValidationError(f"ban_duration must be positive seconds, got {ban_duration!r}")
         self.offenders = OffenderLog(ban_after, float(ban_duration), prefix)
         self.matchmaking.is_banned = self.offenders.is_banned
         self._lock_holder = LoopLockHolder(self.lock)
