@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from swarmgrad.cli import authority_command, demo_command, dht_command, server_command
+from swarmgrad.cli import (
+    authority_command,
+    demo_command,
+    dht_command,
+    server_command,
+    train_command,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     dht_command.add_parser(commands)
     server_command.add_parser(commands)
+    train_command.add_parser(commands)
     demo_command.add_parser(commands)
     authority_command.add_parser(commands)
     args = parser.parse_args(argv)

@@ -26,15 +26,13 @@ start (e.g. no initial peer answers) with code 1.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
 import threading
-import tomllib
-from pathlib import Path
 from typing import Any
 
+from swarmgrad.cli.config_file import config_tokens, load_config
 from swarmgrad.cli.dht_command import admission_kwargs
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
@@ -156,56 +154,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 # ---------------------------------------------------------------------- settings
 
 
-def load_config(path: str) -> dict[str, Any]:
-    """Read a JSON, TOML or YAML file of options; keys in either spelling."""
-    file = Path(path)
-    suffix = file.suffix.lower()
-    try:
-        text = file.read_text()
-        if suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            try:
-                import yaml
-            except ImportError:
-                raise ValueError("YAML configs need PyYAML; use JSON or TOML instead") from None
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except (OSError, ValueError) as e:  # JSON, TOML and YAML errors are ValueErrors
-        raise ValueError(f"config file {path!r}: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path!r} must hold a table of options")
-    return {str(key).replace("-", "_"): value for key, value in data.items()}
-
-
-def _config_tokens(config: dict[str, Any], path: str) -> list[str]:
-    """The config as command-line tokens, so argparse converts and checks the values."""
-    unknown = sorted(set(config) - set(DEFAULTS) - {"config"})
-    if unknown:
-        raise ValueError(f"config file {path!r}: unknown options {unknown}")
-    tokens: list[str] = []
-    for key, value in config.items():
-        if key == "config" or value is None:
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            if value:
-                tokens.append(flag)
-        elif isinstance(value, list):
-            tokens += [flag, *map(str, value)]
-        else:
-            tokens += [flag, str(value)]
-    return tokens
-
-
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Defaults, then the config file, then the command line."""
     given = {k: v for k, v in vars(args).items() if k not in ("run", "server_parser", "command")}
     settings = dict(DEFAULTS)
     if given.get("config"):
         parser = args.server_parser
-        tokens = _config_tokens(load_config(given["config"]), given["config"])
+        tokens = config_tokens(load_config(given["config"]), given["config"], DEFAULTS)
         from_file = vars(parser.parse_args(tokens))
         settings.update({k: v for k, v in from_file.items() if k in DEFAULTS})
     settings.update(given)
