@@ -1,4 +1,4 @@
-"""``swarmgrad demo`` end to end: real processes, a SIGKILLed expert server, accuracy."""
+"""``swarmgrad demo moe`` end to end: real processes, a SIGKILLed expert server, accuracy."""
 
 from __future__ import annotations
 
@@ -12,7 +12,16 @@ import pytest
 @pytest.mark.slow
 def test_demo_trains_through_remote_experts_and_survives_a_killed_server():
     result = subprocess.run(
-        [sys.executable, "-m", "swarmgrad.cli.main", "demo", "--epochs", "3", "--no-progress"],
+        [
+            sys.executable,
+            "-m",
+            "swarmgrad.cli.main",
+            "demo",
+            "moe",
+            "--epochs",
+            "3",
+            "--no-progress",
+        ],
         capture_output=True,
         text=True,
         timeout=240,

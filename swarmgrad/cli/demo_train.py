@@ -1,0 +1,412 @@
+"""``swarmgrad demo`` (or ``swarmgrad demo train``): one model trained by a swarm on this
+machine, in under three minutes on two cores.
+
+What it shows:
+
+1. a bootstrap peer (``swarmgrad dht``) and several trainers (``swarmgrad train``), each
+   a separate process talking over real encrypted sockets on loopback, training one
+   small GPT-style model on Python's own standard-library sources (real text, offline)
+   with a collaborative :class:`swarmgrad.Optimizer`; the last tenth of the text is
+   held out;
+2. the last of the first trainers runs in client mode (it accepts no connections, as
+   behind a NAT; it still trains and sends its gradients);
+3. a trainer that joins late, downloads the model from the others and catches up;
+4. a trainer SIGKILLed midway (no goodbye): the others carry on;
+5. at the end, the held-out perplexity of the trained model against the untrained one,
+   a few lines of text it generates, and a plot of loss and peers over time.
+
+Ctrl-C stops every process it started and removes its files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarmgrad.cli.demo_processes import ChildProcess, spawn, stop_all
+
+__all__ = ["add_arguments", "run"]
+
+_PROMPTS = (b"def ", b"import ", b"    if ")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trainers", type=int, default=3,
+        help="trainers at the start, the last in client mode (default 3); one more joins late",
+    )  # fmt: skip
+    parser.add_argument(
+        "--duration", type=float, default=100.0, help="seconds of training (default 100)"
+    )
+    parser.add_argument(
+        "--join-at",
+        type=float,
+        default=0.3,
+        help="fraction of the run when the late trainer joins (0: none)",
+    )
+    parser.add_argument(
+        "--kill-at",
+        type=float,
+        default=0.55,
+        help="fraction of the run when trainer 2 is SIGKILLed (0: never)",
+    )
+    parser.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=512,
+        help="samples the swarm processes per global step (default 512)",
+    )
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per local step")
+    parser.add_argument("--width", type=int, default=64, help="the model's width (default 64)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--context", type=int, default=64, help="bytes of context (default 64)")
+    parser.add_argument("--lr", type=float, default=4e-3, help="AdamW's learning rate")
+    parser.add_argument("--plot", default=None, help="where to write the PNG plot")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled text")
+    parser.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
+    parser.set_defaults(run=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.trainers < 3:
+        raise ValueError(
+            f"--trainers must be at least 3 (one evaluated, one killed, one in client mode), "
+            f"got {args.trainers}"
+        )
+    if not args.duration > 0:
+        raise ValueError(f"--duration must be positive, got {args.duration}")
+    for name in ("join_at", "kill_at"):
+        if not 0 <= getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1)")
+    for name in ("target_batch_size", "batch_size", "width", "layers", "context"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if args.width % 4:
+        raise ValueError(f"--width must be a multiple of 4 (the heads), got {args.width}")
+
+
+# ---------------------------------------------------------------------- the swarm
+
+
+@dataclass
+class _Trainer:
+    index: int
+    process: ChildProcess
+    role: str  # "", "client mode", "late joiner"
+    started: float
+    epochs: list[dict] = field(default_factory=list)
+    done: bool = False
+    killed_at_epoch: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"trainer {self.index}"
+
+
+class _Swarm:
+    """The demo's processes and what their trainers report (JSON lines, one per event)."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path):
+        self.args, self.workdir = args, workdir
+        self.processes: list[ChildProcess] = []
+        self.trainers: list[_Trainer] = []
+        self.events: queue.Queue = queue.Queue()
+        self.bootstrap = ""
+
+    def start_bootstrap(self) -> str:
+        boot = spawn(
+            "bootstrap peer", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+            log_path=str(self.workdir / "bootstrap.log"),
+        )  # fmt: skip
+        self.processes.append(boot)
+        self.bootstrap = boot.wait_for_maddr(60)
+        print(f"bootstrap peer (pid {boot.pid}) at {self.bootstrap}", flush=True)
+        return self.bootstrap
+
+    def start_trainer(self, role: str = "") -> _Trainer:
+        a = self.args
+        index = len(self.trainers) + 1
+        from swarmgrad.cli import demo_model
+
+        options = [f"width={a.width}", f"layers={a.layers}", f"context={a.context}", f"lr={a.lr}"]
+        argv = [
+            "train",
+            "--model-module", demo_model.__file__,
+            "--module-options", *options,
+            "--run-id", "swarmgrad-demo",
+            "--initial-peers", self.bootstrap,
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--target-batch-size", str(a.target_batch_size),
+            "--batch-size", str(a.batch_size),
+            "--matchmaking-time", "2",
+            "--averaging-timeout", "10",
+            "--seed", str(1000 + index),
+            "--checkpoint-dir", str(self.workdir / f"trainer-{index}"),
+            "--checkpoint-every", "1000000",  # only when it stops
+            "--progress-json",
+            "--log-level", "WARNING",
+        ]  # fmt: skip
+        if role == "client mode":
+            argv.append("--client-mode")
+        log = str(self.workdir / f"trainer-{index}.log")
+        process = spawn(f"trainer {index}", *argv, log_path=log)
+        self.processes.append(process)
+        trainer = _Trainer(index, process, role, time.monotonic())
+        self.trainers.append(trainer)
+        threading.Thread(
+            target=self._read, args=(trainer,), name=f"demo-{trainer.name}-events", daemon=True
+        ).start()
+        suffix = f", {role}" if role else ""
+        print(f"started trainer {index} (pid {process.pid}{suffix})", flush=True)
+        return trainer
+
+    def _read(self, trainer: _Trainer) -> None:
+        while (line := trainer.process.lines.get()) is not None:
+            if line.startswith("{"):
+                try:
+                    self.events.put((trainer, json.loads(line)))
+                except json.JSONDecodeError:
+                    continue
+        self.events.put((trainer, {"event": "exit"}))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        stop_all(self.processes, signal.SIGTERM, timeout)
+
+
+# ---------------------------------------------------------------------- the run
+
+
+@dataclass
+class _Watch:
+    """What the demo saw: global epochs over time, losses, peers, throughput."""
+
+    began: float
+    epoch: int = 0
+    loss: float | None = None
+    peers: int = 0
+    history: list[tuple[float, float, int]] = field(default_factory=list)  # t, loss, peers
+    rates: dict[int, float] = field(default_factory=dict)
+    trained: set[int] = field(default_factory=set)
+
+    def record(self, trainer: _Trainer, event: dict) -> bool:
+        """Take one epoch report; True when it begins a new global epoch."""
+        trainer.epochs.append(event)
+        if event.get("samples", 0) > 0:
+            self.trained.add(trainer.index)
+        self.rates[trainer.index] = float(event.get("samples_per_s") or 0.0)
+        new = event["epoch"] > self.epoch
+        if event.get("loss") is not None and (new or event["epoch"] == self.epoch):
+            self.loss = float(event["loss"])
+        self.peers = int(event.get("peers") or self.peers)
+        if new:
+            self.epoch = event["epoch"]
+            if self.loss is not None:
+                self.history.append((time.monotonic() - self.began, self.loss, self.peers))
+        return new
+
+    def samples_per_s(self, trainers: list[_Trainer]) -> float:
+        return sum(self.rates.get(t.index, 0.0) for t in trainers if t.process.alive())
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check(args)
+    except ValueError as e:
+        print(f"swarmgrad demo: error: {e}", flush=True)
+        return 2
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    workdir = Path(tempfile.mkdtemp(prefix="swarmgrad-demo-"))
+    swarm = _Swarm(args, workdir)
+    keep = False
+    try:
+        print(
+            f"swarmgrad demo: {args.trainers} trainers (+1 joining late) train a tiny GPT on "
+            f"Python's standard library for {args.duration:.0f} s; files in {workdir}",
+            flush=True,
+        )
+        began = time.monotonic()
+        swarm.start_bootstrap()
+        for index in range(args.trainers):
+            swarm.start_trainer("client mode" if index == args.trainers - 1 else "")
+        watch = _train(swarm, args)
+        swarm.stop()
+        result = _report(swarm, watch, args, workdir, time.monotonic() - began)
+        keep = True
+        return result
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every process of the demo", flush=True)
+        return 130
+    except RuntimeError as e:
+        print(f"swarmgrad demo: failed: {e}", flush=True)
+        for trainer in swarm.trainers:
+            _print_tail(workdir / f"trainer-{trainer.index}.log", trainer.name)
+        return 1
+    finally:
+        swarm.stop(timeout=20.0)
+        _clean(workdir, keep_plot=keep)
+
+
+def _train(swarm: _Swarm, args: argparse.Namespace) -> _Watch:
+    from tqdm import tqdm
+
+    join_time = args.join_at * args.duration if args.join_at > 0 else None
+    kill_time = args.kill_at * args.duration if args.kill_at > 0 else None
+    began = time.monotonic()
+    watch = _Watch(began)
+    bar = tqdm(
+        total=round(args.duration), disable=args.no_progress, unit="s", dynamic_ncols=True,
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s {postfix}",
+    )  # fmt: skip
+    say = bar.write if not args.no_progress else (lambda text: print(text, flush=True))
+    victim = swarm.trainers[1]
+    joiner: _Trainer | None = None
+    while (elapsed := time.monotonic() - began) < args.duration:
+        if join_time is not None and joiner is None and elapsed >= join_time:
+            joiner = swarm.start_trainer("late joiner")
+            say(f"{elapsed:5.1f} s: trainer {joiner.index} joins late (swarm at epoch "
+                f"{watch.epoch}); it will download the model from the others")  # fmt: skip
+        if kill_time is not None and victim.killed_at_epoch is None and elapsed >= kill_time:
+            victim.process.stop(signal.SIGKILL)
+            victim.killed_at_epoch = watch.epoch
+            say(f"{elapsed:5.1f} s: trainer {victim.index} SIGKILLed at epoch {watch.epoch}; "
+                "the others carry on")  # fmt: skip
+        try:
+            trainer, event = swarm.events.get(timeout=0.5)
+        except queue.Empty:
+            trainer, event = None, {}
+        if event.get("event") == "epoch":
+            first = not trainer.epochs
+            new = watch.record(trainer, event)
+            if first and trainer.role == "late joiner":
+                say(f"{elapsed:5.1f} s: trainer {trainer.index} caught up: its first step "
+                    f"was global epoch {event['epoch']}, with the others")  # fmt: skip
+            if new and args.no_progress:
+                print(_status(watch, swarm, elapsed), flush=True)
+        elif event.get("event") == "exit" and trainer is not victim:
+            raise RuntimeError(f"{trainer.name} exited early (code {trainer.process.popen.wait()})")
+        bar.set_postfix_str(_status(watch, swarm, None), refresh=False)
+        bar.update(min(round(elapsed), bar.total) - bar.n)
+    bar.close()
+    return watch
+
+
+def _status(watch: _Watch, swarm: _Swarm, elapsed: float | None) -> str:
+    loss = "-" if watch.loss is None else f"{watch.loss:.3f}"
+    head = "" if elapsed is None else f"{elapsed:5.1f} s: "
+    return (
+        f"{head}epoch {watch.epoch}, loss {loss}, peers {watch.peers}, "
+        f"{watch.samples_per_s(swarm.trainers):.0f} samples/s"
+    )
+
+
+# ---------------------------------------------------------------------- the end
+
+
+def _report(
+    swarm: _Swarm, watch: _Watch, args: argparse.Namespace, workdir: Path, elapsed: float
+) -> int:
+    import torch
+
+    from swarmgrad.cli import demo_model
+    from swarmgrad.cli.tiny_lm import generate, validation_loss
+
+    demo_model.configure({"width": str(args.width), "layers": str(args.layers),
+                          "context": str(args.context)})  # fmt: skip
+    _, held_out = demo_model.corpus_split()
+    torch.manual_seed(0)
+    untrained = demo_model.make_model()
+    trained = demo_model.make_model()
+    checkpoint = _final_checkpoint(swarm, workdir)
+    trained.load_state_dict(checkpoint["model"])
+    before = math.exp(validation_loss(untrained, held_out, windows=256))
+    after = math.exp(validation_loss(trained, held_out, windows=256))
+    print(
+        f"\nValidation perplexity on held-out standard-library text: {after:.2f} "
+        f"(untrained model: {before:.2f}, {before / after:.1f}x lower) after "
+        f"{checkpoint['epoch']} global epochs",
+        flush=True,
+    )
+    generator = torch.Generator().manual_seed(args.seed)
+    print("Sampled text:")
+    for prompt in _PROMPTS:
+        text = (prompt + generate(trained, prompt, 80, generator)).decode("utf-8", "replace")
+        for line in text.splitlines()[:3]:
+            print(f"  | {line}")
+    plot = _plot(watch, Path(args.plot) if args.plot else workdir / "swarmgrad-demo.png")
+    peers = sorted(watch.trained)
+    print(
+        f"Summary: {len(peers)} trainers trained ({', '.join(map(str, peers))}) in "
+        f"{elapsed:.0f} s; global epoch {watch.epoch}; trainer {swarm.trainers[1].index} was "
+        f"SIGKILLed at epoch {swarm.trainers[1].killed_at_epoch}.",
+        flush=True,
+    )
+    print(f"Plot: {plot}" if plot else "Plot: not drawn (pip install matplotlib to get one)")
+    print(json.dumps({
+        "wall_s": elapsed, "perplexity_untrained": before, "perplexity_trained": after,
+        "peers_trained": len(peers), "global_epoch": watch.epoch, "plot": str(plot or ""),
+    }), flush=True)  # fmt: skip
+    return 0 if after < before else 1
+
+
+def _final_checkpoint(swarm: _Swarm, workdir: Path) -> dict:
+    """The checkpoint of the first trainer that saved one when it stopped."""
+    from swarmgrad.cli.train_checkpoint import load_checkpoint
+
+    for trainer in swarm.trainers:
+        if trainer.killed_at_epoch is None:
+            state = load_checkpoint(workdir / f"trainer-{trainer.index}")
+            if state is not None:
+                return state
+    raise RuntimeError("no trainer saved a checkpoint when it stopped")
+
+
+def _plot(watch: _Watch, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    times = [t for t, _, _ in watch.history]
+    figure, loss_axis = plt.subplots(figsize=(7, 4))
+    loss_axis.plot(times, [loss for _, loss, _ in watch.history], color="tab:blue")
+    loss_axis.set_xlabel("seconds")
+    loss_axis.set_ylabel("training loss", color="tab:blue")
+    peer_axis = loss_axis.twinx()
+    peer_axis.step(times, [p for _, _, p in watch.history], where="post", color="tab:orange")
+    peer_axis.set_ylabel("peers", color="tab:orange")
+    peer_axis.set_ylim(0, max([p for _, _, p in watch.history], default=1) + 1)
+    loss_axis.set_title("swarmgrad demo: one tiny GPT trained by a swarm")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _clean(workdir: Path, keep_plot: bool) -> None:
+    """Remove the demo's files; after a full run, only its plot stays."""
+    if keep_plot and any(workdir.glob("*.png")):
+        for entry in workdir.iterdir():
+            if entry.suffix != ".png":
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _print_tail(path: Path, name: str, lines: int = 15) -> None:
+    if path.exists():
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        if tail:
+            print(f"--- last lines of {name}'s log:\n" + "\n".join(tail), flush=True)
