@@ -150,6 +150,7 @@ class _Swarm:
             "--batch-size", str(a.batch_size),
             "--matchmaking-time", "2",
             "--averaging-timeout", "10",
+            "--metadata-expiration", "12",  # so the killed trainer soon stops counting
             "--seed", str(1000 + index),
             "--checkpoint-dir", str(self.workdir / f"trainer-{index}"),
             "--checkpoint-every", "1000000",  # only when it stops

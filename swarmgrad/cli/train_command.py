@@ -61,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": None,
     "matchmaking_time": 5.0,
     "averaging_timeout": 30.0,
+    "metadata_expiration": 60.0,
     "use_local_updates": False,
     "client_mode": False,
     "checkpoint_dir": None,
@@ -106,6 +107,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     group = parser.add_argument_group("collaboration")
     option("matchmaking-time", type=float, help="seconds to gather peers for averaging")
     option("averaging-timeout", type=float, help="seconds an averaging round may take")
+    option("metadata-expiration", type=float, help="seconds a dead peer's progress still counts")
     option("use-local-updates", action="store_true", help="step locally, average parameters")
     option("client-mode", action="store_true", help="accept no connections (behind NAT)")
     group = parser.add_argument_group("checkpoints")
@@ -142,7 +144,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("model_module", "run_id"):
         if not settings[key]:
             raise ValueError(f"--{key.replace('_', '-')} is required")
-    for key in ("target_batch_size", "batch_size", "checkpoint_every"):
+    for key in ("target_batch_size", "batch_size", "checkpoint_every", "metadata_expiration"):
         if settings[key] <= 0:
             raise ValueError(f"--{key.replace('_', '-')} must be positive, got {settings[key]}")
     if settings["epochs"] is not None and settings["epochs"] <= 0:
@@ -258,6 +260,7 @@ class Trainer:
             params=model.parameters(),
             matchmaking_time=s["matchmaking_time"],
             averaging_timeout=s["averaging_timeout"],
+            tracker_opts={"metadata_expiration": s["metadata_expiration"]},
             use_local_updates=s["use_local_updates"],
             client_mode=s["client_mode"],
         )
