@@ -253,8 +253,13 @@ def run(args: argparse.Namespace) -> int:
             _print_tail(workdir / f"trainer-{trainer.index}.log", trainer.name)
         return 1
     finally:
-        swarm.stop(timeout=20.0)
-        _clean(workdir, keep_plot=keep)
+        # a second Ctrl-C must not cut the cleanup short and leave processes behind
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            swarm.stop(timeout=20.0)
+            _clean(workdir, keep_plot=keep)
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _train(swarm: _Swarm, args: argparse.Namespace) -> _Watch:

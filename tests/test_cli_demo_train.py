@@ -1,0 +1,88 @@
+"""``swarmgrad demo`` (collaborative training): its options, and Ctrl-C in the middle of
+a run, after which no process, listening port or file of the demo may remain."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from swarmgrad.cli import demo_command, demo_moe, demo_train
+from swarmgrad.cli.main import main
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    demo_command.add_parser(parser.add_subparsers())
+    return parser.parse_args(["demo", *argv])
+
+
+def test_demo_alone_and_demo_train_run_collaborative_training_and_moe_the_experts():
+    assert parse().run is demo_train.run
+    assert parse("--duration", "30").duration == 30
+    assert parse("train", "--trainers", "4").trainers == 4
+    assert parse("train").run is demo_train.run
+    assert parse("moe", "--epochs", "2").run is demo_moe.run
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trainers", "2"], "--trainers must be at least 3"),
+        (["--duration", "0"], "--duration must be positive"),
+        (["--kill-at", "1.5"], "--kill-at must be in [0, 1)"),
+        (["--width", "30"], "--width must be a multiple of 4"),
+    ],
+)
+def test_bad_demo_options_are_refused_by_name_before_starting_anything(capsys, argv, message):
+    assert main(["demo", *argv]) == 2
+    assert message in capsys.readouterr().out
+
+
+def listening_ports() -> set[int]:
+    return {c.laddr.port for c in psutil.net_connections("tcp") if c.status == "LISTEN"}
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_and_removes_the_files():
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "swarmgrad.cli.main", "demo", "--duration", "300",
+         "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
+    )  # fmt: skip
+    output: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        for line in demo.stdout:  # until the swarm has taken its first global step
+            output.append(line)
+            if re.match(r"\s*[\d.]+ s: epoch 1,", line) or time.monotonic() > deadline:
+                break
+        assert any(" s: epoch " in line for line in output), "".join(output)
+        text = "".join(output)
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)", text)]
+        port = int(re.search(r"bootstrap peer .* at /ip4/127.0.0.1/tcp/(\d+)/", text).group(1))
+        workdir = Path(re.search(r"files in (\S+)", text).group(1))
+        assert len(pids) == 4 and workdir.is_dir() and port in listening_ports()
+
+        demo.send_signal(signal.SIGINT)  # what Ctrl-C in its terminal sends
+        rest, _ = demo.communicate(timeout=90)
+        output.append(rest)
+        assert demo.returncode == 130, "".join(output)
+        assert "interrupted" in rest
+        alive = [pid for pid in pids if psutil.pid_exists(pid)]
+        assert not alive, f"processes left behind: {alive}\n" + "".join(output)
+        assert port not in listening_ports()
+        assert not workdir.exists()
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
