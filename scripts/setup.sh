@@ -11,6 +11,10 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__versi
     "$PYTHON" -m pip install --quiet "torch==2.13.0" || "$PYTHON" -m pip install --quiet "torch>=2.1"
 fi
 "$PYTHON" -m pip install --quiet -e ".[test,demo]"
+# The framework adapters (Lightning, transformers): their tests skip without them. Wheels
+# only, never a build (about 18 s here); a failure only costs those tests.
+"$PYTHON" -m pip install --quiet --only-binary=:all: -e ".[lightning,transformers]" \
+    || echo "setup: lightning/transformers not installed; their integration tests will be skipped" >&2
 
 # The network-lab tests (NAT, relays across namespaces) need nft; they skip without it.
 if [ "$(id -u)" = 0 ] && ! command -v nft >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
