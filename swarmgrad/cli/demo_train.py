@@ -6,8 +6,10 @@ What it shows:
 1. a bootstrap peer (``swarmgrad dht``) and several trainers (``swarmgrad train``), each
    a separate process talking over real encrypted sockets on loopback, training one
    small GPT-style model on Python's own standard-library sources (real text, offline)
-   with a collaborative :class:`swarmgrad.Optimizer`; the last tenth of the text is
-   held out;
+   with a collaborative :class:`swarmgrad.Optimizer` (by default in local-updates
+   mode: each trainer steps on its own batches and the swarm averages the parameters at
+   every global epoch; ``--mode sync`` averages gradients instead); the last tenth of the
+   text is held out;
 2. the last of the first trainers runs in client mode (it accepts no connections, as
    behind a NAT; it still trains and sends its gradients);
 3. a trainer that joins late, downloads the model from the others and catches up;
@@ -63,21 +65,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-batch-size",
         type=int,
-        default=512,
-        help="samples the swarm processes per global step (default 512)",
+        default=None,
+        help="samples the swarm processes per global epoch (default: 2048 local, 1024 sync)",
     )
     parser.add_argument("--batch-size", type=int, default=16, help="samples per local step")
     parser.add_argument("--width", type=int, default=64, help="the model's width (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     parser.add_argument("--context", type=int, default=64, help="bytes of context (default 64)")
-    parser.add_argument("--lr", type=float, default=4e-3, help="AdamW's learning rate")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="AdamW's learning rate (default: 2e-3 local, 8e-3 sync)")  # fmt: skip
+    parser.add_argument(
+        "--mode", choices=("local", "sync"), default="local",
+        help="local: every trainer steps on each of its batches, parameters are averaged "
+        "each global epoch (default; many steps, fit for 2 cores); sync: gradients are "
+        "averaged and all step together once per global epoch (exact large-batch training)",
+    )  # fmt: skip
     parser.add_argument("--plot", default=None, help="where to write the PNG plot")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled text")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
     parser.set_defaults(run=run)
 
 
+#: defaults that depend on --mode: sync mode takes one optimizer step per global epoch, so
+#: it wants a larger learning rate and shorter epochs than local updates
+_MODE_DEFAULTS = {"local": {"lr": 2e-3, "target_batch_size": 2048},
+                  "sync": {"lr": 8e-3, "target_batch_size": 1024}}  # fmt: skip
+
+
+_MODE_TEXT = {
+    "local": "local updates, parameters averaged each epoch",
+    "sync": "gradients averaged, one step per epoch",
+}
+
+
 def _check(args: argparse.Namespace) -> None:
+    for name, value in _MODE_DEFAULTS[args.mode].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
     if args.trainers < 3:
         raise ValueError(
             f"--trainers must be at least 3 (one evaluated, one killed, one in client mode), "
@@ -148,7 +174,7 @@ class _Swarm:
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--target-batch-size", str(a.target_batch_size),
             "--batch-size", str(a.batch_size),
-            "--matchmaking-time", "2",
+            "--matchmaking-time", "1",
             "--averaging-timeout", "10",
             "--metadata-expiration", "12",  # so the killed trainer soon stops counting
             "--seed", str(1000 + index),
@@ -159,6 +185,8 @@ class _Swarm:
         ]  # fmt: skip
         if role == "client mode":
             argv.append("--client-mode")
+        if a.mode == "local":
+            argv.append("--use-local-updates")
         log = str(self.workdir / f"trainer-{index}.log")
         process = spawn(f"trainer {index}", *argv, log_path=log)
         self.processes.append(process)
@@ -232,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(
             f"swarmgrad demo: {args.trainers} trainers (+1 joining late) train a tiny GPT on "
-            f"Python's standard library for {args.duration:.0f} s; files in {workdir}",
+            f"Python's standard library for {args.duration:.0f} s ({_MODE_TEXT[args.mode]}, "
+            f"{args.target_batch_size} samples per global epoch); files in {workdir}",
             flush=True,
         )
         began = time.monotonic()
@@ -271,7 +300,7 @@ def _train(swarm: _Swarm, args: argparse.Namespace) -> _Watch:
     watch = _Watch(began)
     bar = tqdm(
         total=round(args.duration), disable=args.no_progress, unit="s", dynamic_ncols=True,
-        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s {postfix}",
+        desc="training", bar_format="{desc} {bar} {n_fmt}/{total_fmt} s {postfix}",
     )  # fmt: skip
     say = bar.write if not args.no_progress else (lambda text: print(text, flush=True))
     victim = swarm.trainers[1]
