@@ -279,6 +279,8 @@ class Trainer:
             maddrs = [str(m) for m in dht.get_visible_maddrs()]
             resumed = None if checkpoint is None else opt.local_epoch
             self.say("ready", pid=os.getpid(), maddrs=maddrs, resumed_epoch=resumed)
+            if maddrs and not s["progress_json"]:
+                print(f"Training. To join, use --initial-peers {' '.join(maddrs)}", flush=True)
             logger.info("training %s in run %r; this peer: %s", s["model_module"], s["run_id"],
                         " ".join(maddrs) or "client mode")  # fmt: skip
             last_epoch, saved_epoch = opt.local_epoch, opt.local_epoch
