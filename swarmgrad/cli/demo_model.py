@@ -5,7 +5,7 @@ what a model module defines). Also a working example to copy for one's own model
     swarmgrad train --model-module "$(python -c 'import swarmgrad.cli.demo_model as m;
     print(m.__file__)')" --run-id my-lm --initial-peers ADDR
 
-Options (``--module-option KEY=VALUE``): ``context``, ``width``, ``layers``, ``heads``
+Options (``--module-options KEY=VALUE``): ``context``, ``width``, ``layers``, ``heads``
 (the model's size), ``lr`` (AdamW's learning rate), ``corpus_bytes`` (how much of the
 standard library to read).
 """

@@ -14,7 +14,7 @@ not write the training loop. It defines:
 ``make_optimizer(params) -> torch.optim.Optimizer``  (optional)
     The local optimizer; Adam with lr 1e-3 when absent.
 ``configure(options: dict[str, str])``  (optional)
-    Receives ``--module-option KEY=VALUE`` pairs before anything else is called.
+    Receives ``--module-options KEY=VALUE`` pairs before anything else is called.
 
 Every way this can go wrong (no such file, an exception while importing, a missing or
 non-callable name) is a :class:`ModelModuleError` that names the file and the name.
