@@ -108,7 +108,7 @@ def load_model_module(path: str | Path, options: dict[str, str] | None = None) -
     if options:
         if loaded.configure is None:
             raise ModelModuleError(
-                f"{where} defines no configure(options), so it takes no --module-option "
+                f"{where} defines no configure(options), so it takes no --module-options "
                 f"(given: {sorted(options)})"
             )
         try:
