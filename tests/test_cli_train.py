@@ -263,3 +263,25 @@ def test_two_trainers_train_together_and_one_resumes_from_its_checkpoint(tmp_pat
     finally:
         for proc in procs:
             proc.stop()
+
+
+def run_solo(tmp_path: Path, text: str) -> subprocess.CompletedProcess:
+    path = write(tmp_path, text).as_posix()
+    return subprocess.run(
+        [sys.executable, "-m", "swarmgrad.cli.main", "train", "--model-module", path,
+         "--run-id", "solo", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--epochs", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_failures_found_when_training_begins_are_named(tmp_path):
+    broken_model = TINY_MODULE.replace(
+        "return torch.nn.Linear(8, 1)", "raise MemoryError('model too big')"
+    )
+    result = run_solo(tmp_path, broken_model)
+    assert result.returncode == 2, result.stderr
+    assert "make_model() failed: MemoryError: model too big" in result.stderr
+    no_data = TINY_MODULE.replace("torch.randn(512, 8,", "torch.randn(4, 8,")
+    result = run_solo(tmp_path, no_data)  # 4 samples: not one batch of 32
+    assert result.returncode == 2, result.stderr
+    assert "its data gave no batch of 32 samples" in result.stderr

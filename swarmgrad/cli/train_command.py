@@ -202,6 +202,7 @@ class Trainer:
     def run(self) -> int:
         import torch
 
+        from swarmgrad.cli.model_module import ModelModuleError
         from swarmgrad.cli.train_checkpoint import load_checkpoint
         from swarmgrad.dht import DHT
         from swarmgrad.utils.errors import SwarmgradError
@@ -209,7 +210,13 @@ class Trainer:
         s = self.settings
         try:
             torch.manual_seed(0)  # every peer builds the same initial weights
-            model = self.module.make_model()
+            try:
+                model = self.module.make_model()
+            except Exception as e:
+                raise ValueError(
+                    f"model module {s['model_module']!r}: make_model() failed: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
             if not isinstance(model, torch.nn.Module):
                 raise ValueError(
                     f"model module {s['model_module']!r}: make_model() returned "
@@ -241,6 +248,8 @@ class Trainer:
             return EXIT_FAILED
         try:
             return self._train(dht, model, checkpoint)
+        except ModelModuleError as e:  # found out only once training began (e.g. no data)
+            return _usage_error(str(e))
         finally:
             dht.shutdown()
 
@@ -326,6 +335,8 @@ class Trainer:
 
     def _batches(self) -> Iterator[Any]:
         """The module's batches, started again whenever they run out."""
+        from swarmgrad.cli.model_module import ModelModuleError
+
         module, s = self.module, self.settings
         for round_ in itertools.count():
             if module.batches is not None:
@@ -343,7 +354,7 @@ class Trainer:
                 empty = False
                 yield batch
             if empty:
-                raise ValueError(
+                raise ModelModuleError(
                     f"model module {s['model_module']!r}: its data gave no batch of "
                     f"{s['batch_size']} samples"
                 )
