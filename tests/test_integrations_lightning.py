@@ -231,6 +231,7 @@ def test_epoch_scheduler_follows_jumps_and_refuses_explicit_epochs():
 
     param = torch.nn.Parameter(torch.zeros(1))
     inner = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([param], lr=1.0), 1, 0.5)
+    inner.optimizer.step()  # (torch warns about a scheduler stepped before its optimizer)
     clock = Clock()
     scheduler = EpochScheduler(clock, inner)
     scheduler.step()
