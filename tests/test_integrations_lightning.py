@@ -224,6 +224,16 @@ def test_configurations_the_swarm_cannot_train_are_refused_at_fit(
         assert dht.peer is not None, "a DHT passed in is not the strategy's to shut down"
 
 
+def test_a_refused_fit_still_shuts_down_the_strategys_own_dht():
+    strategy = SwarmgradStrategy(target_batch_size=64, host_maddrs=LOOPBACK)
+    trainer = make_trainer(strategy, max_epochs=1, accumulate_grad_batches=4)
+    with pytest.raises(ValidationError, match="accumulate_grad_batches=4"):
+        trainer.fit(TinyRegression(), loader(seed=0))
+    assert strategy.dht is None
+    with pytest.raises(ValidationError, match="torn down"):
+        _ = strategy.peer_addresses
+
+
 def test_epoch_scheduler_follows_jumps_and_refuses_explicit_epochs():
     class Clock:
         local_epoch = 0

@@ -44,6 +44,7 @@ from swarmgrad.utils.errors import ValidationError
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import Strategy
+    from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities import rank_zero_info
     from lightning.pytorch.utilities.data import extract_batch_size
     from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -145,6 +146,7 @@ class SwarmgradStrategy(Strategy):
         self._opt: Optimizer | None = None
         self._original_zero_grad: Any = None
         self._initialized = False
+        self._fitting = False
         self._owns_dht = dht is None
         if dht is None:
             peers = _initial_peers(initial_peers, os.environ.get(self.INITIAL_PEERS_ENV))
@@ -222,6 +224,8 @@ class SwarmgradStrategy(Strategy):
     # ------------------------------------------------------------------ fitting
 
     def setup(self, trainer: pl.Trainer) -> None:
+        # a fit (even one refused below) ends with the DHT shut down; validate/test don't
+        self._fitting = self._fitting or trainer.state.fn == TrainerFn.FITTING
         if trainer.accumulate_grad_batches != 1:
             raise ValidationError(
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with "
@@ -323,7 +327,7 @@ class SwarmgradStrategy(Strategy):
         if self._opt is not None:
             self._opt.shutdown()
             self._opt = None
-        if self.dht is not None and self._owns_dht and self._initialized:
+        if self.dht is not None and self._owns_dht and self._fitting:
             self.dht.shutdown()
             self.dht = None
         super().teardown()
