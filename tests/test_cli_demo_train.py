@@ -55,7 +55,7 @@ def listening_ports() -> set[int]:
 def test_ctrl_c_stops_every_process_and_removes_the_files():
     demo = subprocess.Popen(
         [sys.executable, "-m", "swarmgrad.cli.main", "demo", "--duration", "300",
-         "--no-progress"],
+         "--target-batch-size", "256", "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
     )  # fmt: skip
