@@ -92,6 +92,7 @@ _MODE_DEFAULTS = {"local": {"lr": 2e-3, "target_batch_size": 2048},
                   "sync": {"lr": 8e-3, "target_batch_size": 1024}}  # fmt: skip
 
 
+_LATE = " (+1 joining late)"
 _MODE_TEXT = {
     "local": "local updates, parameters averaged each epoch",
     "sync": "gradients averaged, one step per epoch",
@@ -259,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
     keep = False
     try:
         print(
-            f"swarmgrad demo: {args.trainers} trainers (+1 joining late) train a tiny GPT on "
+            f"swarmgrad demo: {args.trainers} trainers{_LATE if args.join_at else ''} train a "
+            "tiny GPT on "
             f"Python's standard library for {args.duration:.0f} s ({_MODE_TEXT[args.mode]}, "
             f"{args.target_batch_size} samples per global epoch); files in {workdir}",
             flush=True,
@@ -381,8 +383,7 @@ def _report(
     peers = sorted(watch.trained)
     print(
         f"Summary: {len(peers)} trainers trained ({', '.join(map(str, peers))}) in "
-        f"{elapsed:.0f} s; global epoch {watch.epoch}; trainer {swarm.trainers[1].index} was "
-        f"SIGKILLed at epoch {swarm.trainers[1].killed_at_epoch}.",
+        f"{elapsed:.0f} s; global epoch {watch.epoch}; " + _kill_text(swarm.trainers[1]),
         flush=True,
     )
     print(f"Plot: {plot}" if plot else "Plot: not drawn (pip install matplotlib to get one)")
@@ -391,6 +392,12 @@ def _report(
         "peers_trained": len(peers), "global_epoch": watch.epoch, "plot": str(plot or ""),
     }), flush=True)  # fmt: skip
     return 0 if after < before else 1
+
+
+def _kill_text(victim: _Trainer) -> str:
+    if victim.killed_at_epoch is None:
+        return "no trainer was killed."
+    return f"{victim.name} was SIGKILLed at epoch {victim.killed_at_epoch}."
 
 
 def _final_checkpoint(swarm: _Swarm, workdir: Path) -> dict:
