@@ -86,3 +86,26 @@ def test_ctrl_c_stops_every_process_and_removes_the_files():
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
             demo.wait()
+
+
+class _FakeProcess:
+    def __init__(self, alive: bool):
+        self._alive = alive
+
+    def alive(self) -> bool:
+        return self._alive
+
+
+def test_progress_follows_the_newest_global_epoch_and_counts_trainers_that_trained():
+    one = demo_train._Trainer(1, _FakeProcess(True), "", 0.0)
+    two = demo_train._Trainer(2, _FakeProcess(False), "", 0.0)
+    watch = demo_train._Watch(began=time.monotonic())
+    epoch = {"event": "epoch", "samples_per_s": 100.0, "samples": 32}
+    assert watch.record(one, {**epoch, "epoch": 1, "loss": 5.0, "peers": 2})
+    assert not watch.record(two, {**epoch, "epoch": 1, "loss": 4.0, "peers": 2})
+    assert watch.record(one, {**epoch, "epoch": 2, "loss": 3.0, "peers": 3})
+    assert not watch.record(two, {**epoch, "epoch": 1, "loss": 9.0, "peers": 3})  # stale
+    assert (watch.epoch, watch.loss, watch.peers) == (2, 3.0, 3)
+    assert [(loss, peers) for _, loss, peers in watch.history] == [(5.0, 2), (3.0, 3)]
+    assert watch.trained == {1, 2}
+    assert watch.samples_per_s([one, two]) == 100.0  # the dead trainer no longer counts
