@@ -15,6 +15,10 @@ fi
 # only, never a build (about 18 s here); a failure only costs those tests.
 "$PYTHON" -m pip install --quiet --only-binary=:all: -e ".[lightning,transformers]" \
     || echo "setup: lightning/transformers not installed; their integration tests will be skipped" >&2
+# The documentation site's tools (mkdocs, mkdocstrings): wheels only, like the above; a
+# failure only skips tests/test_docs_build.py.
+"$PYTHON" -m pip install --quiet --only-binary=:all: -e ".[docs]" \
+    || echo "setup: mkdocs/mkdocstrings not installed; the docs build test will be skipped" >&2
 
 # The network-lab tests (NAT, relays across namespaces) need nft; they skip without it.
 if [ "$(id -u)" = 0 ] && ! command -v nft >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
