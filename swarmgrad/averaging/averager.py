@@ -282,6 +282,16 @@ class DecentralizedAverager:
         return self._core.last_result if self._core is not None else None
 
     @property
+    def rounds_succeeded(self) -> int:
+        """Steps that averaged with at least one other peer."""
+        return self._core.rounds_succeeded if self._core is not None else 0
+
+    @property
+    def rounds_failed(self) -> int:
+        """Steps that ended without averaging (no group, every round failed, an error)."""
+        return self._core.rounds_failed if self._core is not None else 0
+
+    @property
     def offenders(self) -> dict[str, dict[str, int | bool]]:
         """Robust averaging's evidence per peer: rounds clipped, bad reductions, banned."""
         return self._core.offenders.as_metrics() if self._core is not None else {}

@@ -319,6 +319,10 @@ class AsyncDecentralizedAverager:
             rng=rng,
         )
         self.last_result: AllReduceResult | None = None
+        # steps that averaged with someone / that ended without a round (or with an
+        # error), for the peer's metrics; a cancelled step counts as neither
+        self.rounds_succeeded = 0
+        self.rounds_failed = 0
         self.offenders = OffenderLog(ban_after, float(ban_duration), prefix)
         self.matchmaking.is_banned = self.offenders.is_banned
         self._lock_holder = LoopLockHolder(self.lock)
@@ -476,10 +480,15 @@ class AsyncDecentralizedAverager:
             control._mark_cancelled()
             raise
         except BaseException as e:
+            self.rounds_failed += 1
             control._finish(error=e)
             raise
         finally:
             self._steps.discard(task)
+        if result is None:
+            self.rounds_failed += 1
+        else:
+            self.rounds_succeeded += 1
         control._finish(result)
         return result
 

@@ -239,6 +239,19 @@ class Peer:
         return conn is not None and conn.is_alive
 
     @property
+    def bytes_sent(self) -> int:
+        """Bytes this peer wrote to its sockets (TLS records included; 0 on the simulated
+        network, which does not count)."""
+        traffic = getattr(self._backend, "traffic", None)
+        return traffic.sent if traffic is not None else 0
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes this peer read from its sockets (see :attr:`bytes_sent`)."""
+        traffic = getattr(self._backend, "traffic", None)
+        return traffic.received if traffic is not None else 0
+
+    @property
     def connected_peers(self) -> list[PeerID]:
         return [pid for pid, conn in self._connections.items() if conn.is_alive]
 

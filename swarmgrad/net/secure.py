@@ -54,6 +54,23 @@ _LOW_WATER = 1024 * 1024
 _CORK_LIMIT = 64 * 1024
 
 
+class TrafficCounter:
+    """Bytes a peer moved through its sockets (TLS records included), for its metrics.
+
+    Counted on the TCP layer only: a relayed connection's bytes already pass through the
+    socket to the relay, so they are not counted twice. Plain ints updated on the event
+    loop thread; other threads may read them (a torn read is impossible for an int)."""
+
+    __slots__ = ("received", "sent")
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0
+
+    def __repr__(self) -> str:
+        return f"TrafficCounter(sent={self.sent}, received={self.received})"
+
+
 class _Mode(enum.Enum):
     """What the bytes we receive are (we send AES-GCM records from KEYS on)."""
 
@@ -74,8 +91,16 @@ class TLSLayer(asyncio.BufferedProtocol):
     mode was negotiated.
     """
 
-    def __init__(self, context: ssl.SSLContext, upper: asyncio.BaseProtocol, *, server_side: bool):
+    def __init__(
+        self,
+        context: ssl.SSLContext,
+        upper: asyncio.BaseProtocol,
+        *,
+        server_side: bool,
+        traffic: TrafficCounter | None = None,
+    ):
         self._upper = upper
+        self._traffic = traffic
         if hasattr(upper, "carrier"):
             upper.carrier = self  # lets the upper protocol abort us before it is connected
         self._server_side = server_side
@@ -119,6 +144,8 @@ class TLSLayer(asyncio.BufferedProtocol):
         return self._rx_view
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._traffic is not None:
+            self._traffic.received += nbytes
         if self._mode is _Mode.FAST:
             self._rx_filled += nbytes
             self._open_records()
@@ -238,6 +265,8 @@ class TLSLayer(asyncio.BufferedProtocol):
                 buffers = self._sealer.seal(data)
                 if self._outgoing.pending:  # our TLS Finished and share go first, together
                     buffers.insert(0, self._outgoing.read())
+                if self._traffic is not None:
+                    self._traffic.sent += sum(len(b) for b in buffers)
                 lower.writelines(buffers)
             return
         try:
@@ -261,7 +290,10 @@ class TLSLayer(asyncio.BufferedProtocol):
     def _flush(self) -> None:
         """Hand TLS output (handshake, TLS-mode records) to the lower transport."""
         if self._outgoing.pending and self._lower is not None and not self._lower.is_closing():
-            self._lower.write(self._outgoing.read())
+            data = self._outgoing.read()
+            if self._traffic is not None:
+                self._traffic.sent += len(data)
+            self._lower.write(data)
 
     # ---------------------------------------------------------------- handshake
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from swarmgrad.net.identity import Identity
 from swarmgrad.net.multiaddr import Multiaddr
-from swarmgrad.net.secure import TLSLayer
+from swarmgrad.net.secure import TLSLayer, TrafficCounter
 from swarmgrad.net.tls import client_ssl_context, server_ssl_context
 
 ProtocolFactory = Callable[[], asyncio.BaseProtocol]
@@ -40,6 +40,8 @@ class TCPBackend:
         # set by a Peer with an admission authority: its current access token (wire
         # bytes), put in the certificate of every connection it accepts
         self.admission_token: Callable[[], bytes | None] | None = None
+        # bytes through our sockets (relayed connections ride on them: not counted again)
+        self.traffic = TrafficCounter()
 
     def _server_context(self):
         token = self.admission_token() if self.admission_token is not None else None
@@ -53,7 +55,7 @@ class TCPBackend:
 
         def factory() -> TLSLayer:
             context = fixed if fixed is not None else self._server_context()
-            return TLSLayer(context, upper_factory(), server_side=True)
+            return TLSLayer(context, upper_factory(), server_side=True, traffic=self.traffic)
 
         server = await loop.create_server(
             factory, maddr.host, maddr.port, reuse_address=True, backlog=1024
@@ -68,7 +70,9 @@ class TCPBackend:
 
     async def dial(self, maddr: Multiaddr, upper: asyncio.BaseProtocol) -> TLSLayer:
         loop = asyncio.get_running_loop()
-        layer = TLSLayer(client_ssl_context(self._identity), upper, server_side=False)
+        layer = TLSLayer(
+            client_ssl_context(self._identity), upper, server_side=False, traffic=self.traffic
+        )
         await loop.create_connection(lambda: layer, maddr.host, maddr.port)
         return layer
 

@@ -6,6 +6,7 @@ ranks that take part as one peer."""
 from swarmgrad.optim.diloco import DiLoCoOptimizer
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
+from swarmgrad.optim.metrics import MetricsPublisher, MetricsSchema, PeerMetrics
 from swarmgrad.optim.optimizer import Optimizer
 from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.optim.power_sgd_averager import PowerSGDGradientAverager
@@ -26,7 +27,10 @@ __all__ = [
     "GradientAverager",
     "GradientAveragerFactory",
     "LocalTrainingProgress",
+    "MetricsPublisher",
+    "MetricsSchema",
     "Optimizer",
+    "PeerMetrics",
     "PerformanceEMA",
     "PowerSGDGradientAverager",
     "ProgressTracker",

@@ -57,6 +57,7 @@ from swarmgrad.dht.dht import DHT
 from swarmgrad.optim.diloco_mode import diloco_from_optimizer_arguments
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
+from swarmgrad.optim.metrics import MetricsPublisher, merge_offenders
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.optim.progress import LocalTrainingProgress
@@ -95,6 +96,9 @@ class Optimizer(torch.optim.Optimizer):
     :class:`~.diloco.DiLoCoOptimizer` (``optimizer`` is then the inner optimizer, its
     ``scheduler`` steps with it, and ``target_batch_size`` is the swarm's samples per
     outer step); ``diloco_opts`` carries its other options (``diloco_mode.py``).
+    ``metrics`` (default True): publish this peer's metrics record for ``swarmgrad
+    monitor`` (:class:`~.metrics.MetricsPublisher`; a dict gives its options, e.g.
+    ``{"period": 5.0}``; False: none); report the loss with :meth:`report`.
     """
 
     def __new__(cls, *args: Any, outer_optimizer: Any = None, **kwargs: Any) -> Any:
@@ -143,6 +147,7 @@ class Optimizer(torch.optim.Optimizer):
         verbose: bool = False,
         outer_optimizer: None = None,
         diloco_opts: None = None,
+        metrics: bool | dict = True,
     ):
         if diloco_opts is not None:  # (outer_optimizer set: __new__ built a DiLoCoOptimizer)
             raise ValidationError(
@@ -281,6 +286,14 @@ class Optimizer(torch.optim.Optimizer):
         # torch.amp's GradScaler looks at this: with reused buffers it must not unscale
         # the accumulated gradients at every local step (see GradScaler)
         self._step_supports_amp_scaling = reuse_grad_buffers
+        self.metrics: MetricsPublisher | None = None
+        if metrics:
+            options = dict(metrics) if isinstance(metrics, dict) else {}
+            try:
+                self.metrics = MetricsPublisher(dht, run_id, self._collect_metrics, **options)
+            except BaseException:
+                self.shutdown()
+                raise
         self._initialized = True
 
     # ------------------------------------------------------------------ construction
@@ -453,6 +466,8 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            if self.metrics is not None and _is_scalar(loss):
+                self.metrics.report_loss(loss)
 
         if not self.auxiliary and (self._missed_round or self._should_load_state_from_peers()):
             logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
@@ -482,6 +497,29 @@ class Optimizer(torch.optim.Optimizer):
         if self.tracker.ready_to_update_epoch:
             self._update_global_epoch(grad_scaler)
         return loss
+
+    def report(self, loss: Any = None) -> None:
+        """Tell the swarm's monitor this peer's training loss (a number or a one-element
+        tensor); each metrics record carries the mean of the losses reported since the
+        previous one. ``step(closure)`` reports the closure's loss itself. Does nothing
+        when the Optimizer was made with ``metrics=False``."""
+        if loss is not None and self.metrics is not None:
+            self.metrics.report_loss(loss)
+
+    def _collect_metrics(self) -> dict[str, Any]:
+        """The fields of this peer's metrics record that the Optimizer knows (called on
+        the event loop thread by the MetricsPublisher)."""
+        averagers = [a for a in (self.state_averager, self.grad_averager) if a is not None]
+        role = "auxiliary" if self.auxiliary else "client" if self.client_mode else "trainer"
+        return {
+            "role": role,
+            "client_mode": self.client_mode,
+            "epoch": self.local_epoch,
+            "samples_per_second": float(self.tracker.performance_ema.samples_per_second),
+            "rounds_ok": sum(a.rounds_succeeded for a in averagers),
+            "rounds_failed": sum(a.rounds_failed for a in averagers),
+            "offenders": merge_offenders(*(a.offenders for a in averagers)),
+        }
 
     def _accumulate(self, batch_size: int, grad_scaler: GradScaler | None) -> bool:
         """Add this batch's gradients; False (and a reset) if they are not finite."""
@@ -928,6 +966,8 @@ class Optimizer(torch.optim.Optimizer):
             return
         self._closed = True
         logger.log(self.status_loglevel, "%s: leaving", self.run_id)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.shutdown(min(2.0, self.shutdown_timeout))
         self.tracker.shutdown(self.shutdown_timeout)
         self.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
         for control in (self.scheduled_grads, self.scheduled_state):
@@ -947,6 +987,13 @@ class Optimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(run_id={self.run_id!r}, epoch={self.local_epoch})"
+
+
+def _is_scalar(loss: Any) -> bool:
+    """A loss a closure returned that can go in the metrics (a number, a 1-element tensor)."""
+    if isinstance(loss, torch.Tensor):
+        return loss.numel() == 1
+    return isinstance(loss, int | float) and not isinstance(loss, bool)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
