@@ -49,6 +49,10 @@ class ChildProcess:
 
     def wait_for_maddr(self, timeout: float) -> str:
         """The first /ip4/.../p2p/... address the process prints."""
+        return self.wait_for(_MADDR, timeout, "no address")
+
+    def wait_for(self, pattern: re.Pattern, timeout: float, what: str) -> str:
+        """The first group of the first line of output that matches ``pattern``."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -60,10 +64,10 @@ class ChildProcess:
                     f"{self.name} exited with code {self.popen.wait()} before it was ready; "
                     f"its last output:\n" + "".join(self.tail)
                 )
-            found = _MADDR.search(line)
+            found = pattern.search(line)
             if found:
                 return found.group(1)
-        raise RuntimeError(f"{self.name} printed no address within {timeout:.0f} s")
+        raise RuntimeError(f"{self.name} printed {what} within {timeout:.0f} s")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         stop_all([self], sig, timeout)

@@ -15,7 +15,9 @@ What it shows:
 3. a trainer that joins late, downloads the model from the others and catches up;
 4. a trainer SIGKILLed midway (no goodbye): the others carry on;
 5. at the end, the held-out perplexity of the trained model against the untrained one,
-   a few lines of text it generates, and a plot of loss and peers over time.
+   a few lines of text it generates, and a plot of loss and peers over time;
+6. meanwhile, ``swarmgrad monitor`` serves the swarm's dashboard: its URL is printed at
+   the start (``--monitor-port``, ``--no-monitor``).
 
 Ctrl-C stops every process it started and removes its files.
 """
@@ -27,6 +29,7 @@ import json
 import math
 import os
 import queue
+import re
 import shutil
 import signal
 import tempfile
@@ -83,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, help="where to write the PNG plot")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled text")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
+    parser.add_argument(
+        "--monitor-port", type=int, default=0,
+        help="port of the dashboard (swarmgrad monitor) on 127.0.0.1 (default 0: any free one)",
+    )  # fmt: skip
+    parser.add_argument("--no-monitor", action="store_true", help="start no dashboard")
     parser.set_defaults(run=run)
 
 
@@ -93,6 +101,7 @@ _MODE_DEFAULTS = {"local": {"lr": 2e-3, "target_batch_size": 2048},
 
 
 _LATE = " (+1 joining late)"
+_MONITOR_URL = re.compile(r"Monitor running at (http://\S+)")
 _MODE_TEXT = {
     "local": "local updates, parameters averaged each epoch",
     "sync": "gradients averaged, one step per epoch",
@@ -118,6 +127,8 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("target_batch_size", "batch_size", "width", "layers", "context"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if not 0 <= args.monitor_port <= 65535:
+        raise ValueError(f"--monitor-port must be between 0 and 65535, got {args.monitor_port}")
     if args.width % 4:
         raise ValueError(f"--width must be a multiple of 4 (the heads), got {args.width}")
 
@@ -149,6 +160,7 @@ class _Swarm:
         self.trainers: list[_Trainer] = []
         self.events: queue.Queue = queue.Queue()
         self.bootstrap = ""
+        self.monitor_url: str | None = None
 
     def start_bootstrap(self) -> str:
         boot = spawn(
@@ -159,6 +171,23 @@ class _Swarm:
         self.bootstrap = boot.wait_for_maddr(60)
         print(f"bootstrap peer (pid {boot.pid}) at {self.bootstrap}", flush=True)
         return self.bootstrap
+
+    def start_monitor(self) -> str:
+        """``swarmgrad monitor`` on the demo's run; returns the dashboard's URL."""
+        monitor = spawn(
+            "monitor", "monitor", "--initial-peers", self.bootstrap,
+            "--run-id", "swarmgrad-demo", "--port", str(self.args.monitor_port),
+            "--poll-interval", "2", log_path=str(self.workdir / "monitor.log"),
+        )  # fmt: skip
+        self.processes.append(monitor)
+        try:
+            url = monitor.wait_for(_MONITOR_URL, 60, "its URL")
+        except RuntimeError as e:
+            _print_tail(self.workdir / "monitor.log", "the monitor")
+            raise RuntimeError(f"the monitor did not start: {e}") from None
+        print(f"dashboard (swarmgrad monitor, pid {monitor.pid}): {url}", flush=True)
+        self.monitor_url = url
+        return url
 
     def start_trainer(self, role: str = "") -> _Trainer:
         a = self.args
@@ -182,6 +211,7 @@ class _Swarm:
             "--checkpoint-dir", str(self.workdir / f"trainer-{index}"),
             "--checkpoint-every", "1000000",  # only when it stops
             "--progress-json",
+            "--metrics-period", "2",  # for the dashboard
             "--log-level", "WARNING",
         ]  # fmt: skip
         if role == "client mode":
@@ -268,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
         )
         began = time.monotonic()
         swarm.start_bootstrap()
+        if not args.no_monitor:
+            swarm.start_monitor()
         for index in range(args.trainers):
             swarm.start_trainer("client mode" if index == args.trainers - 1 else "")
         watch = _train(swarm, args)
@@ -390,6 +422,7 @@ def _report(
     print(json.dumps({
         "wall_s": elapsed, "perplexity_untrained": before, "perplexity_trained": after,
         "peers_trained": len(peers), "global_epoch": watch.epoch, "plot": str(plot or ""),
+        "monitor_url": swarm.monitor_url,
     }), flush=True)  # fmt: skip
     return 0 if after < before else 1
 

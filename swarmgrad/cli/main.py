@@ -9,6 +9,7 @@ from swarmgrad.cli import (
     authority_command,
     demo_command,
     dht_command,
+    monitor_command,
     server_command,
     train_command,
 )
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     dht_command.add_parser(commands)
     server_command.add_parser(commands)
     train_command.add_parser(commands)
+    monitor_command.add_parser(commands)
     demo_command.add_parser(commands)
     authority_command.add_parser(commands)
     args = parser.parse_args(argv)

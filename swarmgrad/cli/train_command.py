@@ -64,6 +64,7 @@ DEFAULTS: dict[str, Any] = {
     "metadata_expiration": 60.0,
     "use_local_updates": False,
     "client_mode": False,
+    "metrics_period": 5.0,
     "checkpoint_dir": None,
     "checkpoint_every": 5,
     "host_maddrs": ["/ip4/0.0.0.0/tcp/0"],
@@ -110,6 +111,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     option("metadata-expiration", type=float, help="seconds a dead peer's progress still counts")
     option("use-local-updates", action="store_true", help="step locally, average parameters")
     option("client-mode", action="store_true", help="accept no connections (behind NAT)")
+    option(
+        "metrics-period",
+        type=float,
+        help="seconds between this peer's metrics records for swarmgrad monitor (0: none)",
+    )
     group = parser.add_argument_group("checkpoints")
     option("checkpoint-dir", help="save to and resume from this directory")
     option("checkpoint-every", type=int, help="epochs between checkpoints")
@@ -147,6 +153,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("target_batch_size", "batch_size", "checkpoint_every", "metadata_expiration"):
         if settings[key] <= 0:
             raise ValueError(f"--{key.replace('_', '-')} must be positive, got {settings[key]}")
+    if settings["metrics_period"] < 0:
+        raise ValueError(f"--metrics-period must be 0 or more, got {settings['metrics_period']}")
     if settings["epochs"] is not None and settings["epochs"] <= 0:
         raise ValueError(f"--epochs must be positive, got {settings['epochs']}")
     settings["module_options"] = parse_module_options(settings["module_options"])
@@ -272,7 +280,19 @@ class Trainer:
             tracker_opts={"metadata_expiration": s["metadata_expiration"]},
             use_local_updates=s["use_local_updates"],
             client_mode=s["client_mode"],
+            metrics=self._metrics_options(),
         )
+
+    def _metrics_options(self) -> dict | bool:
+        """The Optimizer's metrics publisher: a dead peer's record lives as long as its
+        progress record (--metadata-expiration), at least three periods."""
+        period = self.settings["metrics_period"]
+        if not period > 0:
+            return False
+        return {
+            "period": period,
+            "expiration": max(3 * period, self.settings["metadata_expiration"]),
+        }
 
     def _train(self, dht: Any, model: Any, checkpoint: dict | None) -> int:
         from swarmgrad.cli.train_checkpoint import save_checkpoint
@@ -303,6 +323,7 @@ class Trainer:
                 opt.step()
                 opt.zero_grad()
                 losses.append(float(loss.detach()))
+                opt.report(losses[-1])  # for swarmgrad monitor
                 samples += s["batch_size"]
                 window_samples += s["batch_size"]
                 if opt.local_epoch != last_epoch:

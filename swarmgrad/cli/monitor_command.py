@@ -1,0 +1,134 @@
+"""``swarmgrad monitor``: a dashboard of the swarm in the browser, and a Prometheus endpoint.
+
+It joins the swarm as a client-mode DHT peer (no listening port, nothing stored), reads
+the runs' progress and their peers' metrics records every few seconds, and serves:
+
+  /               the dashboard (peers, epochs, loss and throughput over time, averaging
+                  health, expert servers, offenders)
+  /metrics        the same figures in Prometheus' text format
+  /api/snapshot   the same figures as JSON
+
+With --json it prints one snapshot and exits. docs/monitor.md describes every field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from swarmgrad.cli.dht_command import add_admission_arguments, admission_kwargs
+from swarmgrad.utils.logging import use_swarmgrad_log_handler
+
+logger = logging.getLogger("swarmgrad.cli.monitor")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "monitor",
+        help="serve a dashboard of the swarm's runs and a Prometheus /metrics endpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--initial-peers",
+        "--initial_peers",
+        nargs="+",
+        required=True,
+        help="multiaddrs of peers in the swarm to watch",
+    )
+    parser.add_argument(
+        "--run-id",
+        "--run_id",
+        action="append",
+        default=None,
+        help="a run to follow (repeat for several; default: every run the swarm announces)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="port to serve on (8080; 0: any)")
+    parser.add_argument(
+        "--json", action="store_true", help="print one snapshot as JSON and exit (no server)"
+    )
+    parser.add_argument(
+        "--poll-interval",
+        "--poll_interval",
+        type=float,
+        default=2.0,
+        help="seconds between reads of the DHT (2)",
+    )
+    parser.add_argument(
+        "--history", type=int, default=720, help="points of history kept per run (720)"
+    )
+    add_admission_arguments(parser)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ...")
+    parser.set_defaults(run=run)
+
+
+def _usage_error(message: str) -> int:
+    print(f"swarmgrad monitor: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarmgrad.dht import DHT
+    from swarmgrad.monitor import Monitor, PortInUse
+    from swarmgrad.utils.errors import SwarmgradError, ValidationError
+
+    if not 0 <= args.port <= 65535:
+        return _usage_error(f"--port must be between 0 and 65535, got {args.port}")
+    if not args.poll_interval > 0:
+        return _usage_error(f"--poll-interval must be positive, got {args.poll_interval}")
+    if args.history < 2:
+        return _usage_error(f"--history must keep at least 2 points, got {args.history}")
+    try:
+        admission = admission_kwargs(args.authority_key, args.access_token)
+    except ValueError as e:
+        return _usage_error(str(e))
+    use_swarmgrad_log_handler(args.log_level.upper())
+    stop = threading.Event()
+    if not args.json:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+    try:
+        dht = DHT(initial_peers=args.initial_peers, client_mode=True, start=True, **admission)
+    except ValidationError as e:
+        return _usage_error(str(e))
+    except (SwarmgradError, OSError, ValueError) as e:
+        print(f"swarmgrad monitor: could not join the swarm: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    monitor = None
+    try:
+        try:
+            monitor = Monitor(
+                dht,
+                args.run_id,
+                host=args.host,
+                port=None if args.json else args.port,
+                poll_interval=args.poll_interval,
+                history=args.history,
+            )
+        except PortInUse as e:
+            return _usage_error(str(e))
+        except ValidationError as e:
+            return _usage_error(str(e))
+        except OSError as e:  # e.g. an address this machine does not have
+            return _usage_error(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}")
+        if args.json:
+            monitor.wait_for_first_poll()
+            print(json.dumps(monitor.snapshot(), indent=1, allow_nan=False, default=str))
+            return EXIT_OK
+        print(f"Monitor running at {monitor.url}", flush=True)
+        print(f"  Prometheus: {monitor.url}metrics   JSON: {monitor.url}api/snapshot", flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("Shutting down", flush=True)
+        return EXIT_OK
+    finally:
+        if monitor is not None:
+            monitor.shutdown()
+        dht.shutdown()
