@@ -1,0 +1,403 @@
+"""Learning@home, throughput against latency: DMoE against model-parallel pipelines.
+
+The experiment of Ryabinin & Gusev (2020), section 4.1, on this machine: a stack of
+``--layers`` (4) expert layers of ``ffn`` blocks (hidden ``--hidden``, 512) trained
+
+* **DMoE**: each layer a :class:`RemoteMixtureOfExperts` over ``--experts`` (4) experts
+  (``k_best`` ``--k``, 2), served by ``--servers`` (4) swarmgrad expert :class:`Server`
+  peers; ``--trainers`` (48) trainer peers, each its own thread and peer, run forward and
+  backward through the stack on batches of ``--batch`` (32); every expert updates itself
+  on each backward call, asynchronously (no synchronisation between trainers);
+* **model parallel**: the same layers, one per stage peer (a stage computes the mean of
+  ``k`` ffn blocks: the same compute per sample as a DMoE layer), a batch passing from
+  stage to stage and its gradient back; ``naive``: one batch in flight, the stage weights
+  step after each batch; ``gpipe``: the batch split into ``--microbatches`` (4)
+  micro-batches that flow through the stages concurrently (GPipe's overlap), the
+  gradients accumulated and one step per batch.
+
+Every peer lives in this process on swarmgrad's simulated network (:mod:`_lah_swarm`),
+which runs in real time here: the link latency (one-way, per hop: 0, 10, 50, 100, 200
+ms) is real waiting, the compute (the servers' device threads, the stages' executors,
+one torch thread each) is real compute on the 2 cores. A DMoE layer costs two hops per
+expert call, forward and backward (16 hops per step for 4 layers); the pipeline one hop
+per stage boundary each way (8 hops per batch, the trainer's to the first stage
+included). Bandwidth is unlimited (4 MiB TCP-like receive windows).
+
+Throughput: samples whose backward completed within a measurement window that starts
+after a warm-up of one step's worth of latency, per second. Prints a table and, last,
+one JSON line. ``LAH_SMALL=1`` (or ``--small``) is a seconds-long configuration for
+tests; ``LAH_PLOT`` is where the PNG goes (empty: no plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _lah_swarm import SimSwarm
+
+from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
+from swarmgrad.moe import RemoteMixtureOfExperts
+from swarmgrad.moe.protocol import BatchTensorDescriptor
+from swarmgrad.moe.server import ModuleBackend
+from swarmgrad.moe.server.layers import name_to_block
+from swarmgrad.utils.loop_thread import run_coroutine
+
+DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "lah_latency.png"
+STAGE_RPC = "lah.stage"
+LR = 1e-4
+
+
+# ---------------------------------------------------------------------- DMoE
+
+
+def expert_backends(args: argparse.Namespace, server: int) -> dict[str, ModuleBackend]:
+    """The experts that server ``server`` hosts: expert ``e`` of layer ``l`` goes to server
+    ``(l * experts + e) % servers``, so every server holds experts of every layer."""
+    backends = {}
+    for layer in range(args.layers):
+        for e in range(args.experts):
+            if (layer * args.experts + e) % args.servers != server:
+                continue
+            uid = f"lah{layer}.{e}"
+            module = name_to_block["ffn"](args.hidden)
+            backends[uid] = ModuleBackend(
+                uid,
+                module,
+                optimizer=torch.optim.SGD(module.parameters(), lr=LR),
+                args_schema=(BatchTensorDescriptor(args.hidden),),
+                max_batch_size=4096,
+            )
+    return backends
+
+
+class Trainer:
+    """One trainer peer: its gates, and a loop of forward + backward through the stack."""
+
+    def __init__(self, swarm: SimSwarm, args: argparse.Namespace, seed: int):
+        node = swarm.node()
+        self.layers = nn.ModuleList(
+            RemoteMixtureOfExperts(
+                in_features=args.hidden,
+                grid_size=(args.experts,),
+                dht=node,
+                uid_prefix=f"lah{layer}.",
+                k_best=args.k,
+                prefix_cache_ttl=600.0,  # the experts never move here (see docs)
+            )
+            for layer in range(args.layers)
+        )
+        self.optimizer = torch.optim.SGD(self.layers.parameters(), lr=LR)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.batch = args.batch
+        self.hidden = args.hidden
+
+    def step(self) -> None:
+        h = torch.randn(self.batch, self.hidden, generator=self.generator)
+        for layer in self.layers:
+            h = layer(h)
+        h.pow(2).mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def run_until(self, deadline: float, done: list) -> None:
+        while time.perf_counter() < deadline:
+            self.step()
+            done.append((time.perf_counter(), self.batch))
+
+
+def measure_dmoe(args: argparse.Namespace, latencies: list[float]) -> list[float]:
+    results = []
+    with SimSwarm(seed=1) as swarm:
+        for s in range(args.servers):
+            swarm.server(expert_backends(args, s))
+        trainers = [Trainer(swarm, args, seed) for seed in range(args.trainers)]
+        for trainer in trainers:  # connections, schemas and prefix caches, at zero latency
+            trainer.step()
+        for latency in latencies:
+            swarm.set_latency(latency)
+            step_latency = 4 * args.layers * latency  # two hops per call, forward + backward
+            results.append(
+                run_phase(
+                    [lambda d, out, t=t: t.run_until(d, out) for t in trainers],
+                    warmup=args.warmup + step_latency,
+                    measure=max(args.measure, 3 * step_latency),
+                )
+            )
+            print(
+                f"  DMoE      {latency * 1e3:5.0f} ms/hop: {results[-1]:8.1f} samples/s", flush=True
+            )
+    return results
+
+
+def run_phase(workers: list, warmup: float, measure: float) -> float:
+    """Run every ``worker(deadline, done)`` in its own thread until the end of the window;
+    samples/s of the completions inside the window (after the warm-up)."""
+    start = time.perf_counter()
+    window = (start + warmup, start + warmup + measure)
+    done: list[tuple[float, int]] = []
+    threads = [threading.Thread(target=w, args=(window[1], done), daemon=True) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    samples = sum(n for t, n in done if window[0] <= t <= window[1])
+    return samples / measure
+
+
+# ---------------------------------------------------------------------- model parallel
+
+
+class Stage:
+    """One pipeline stage on its own peer: ``k`` ffn blocks averaged, computed on the
+    stage's own thread (its device); forwards its output to the next stage and returns
+    the gradient of its input."""
+
+    def __init__(self, args: argparse.Namespace, node, next_peer=None):
+        self.blocks = nn.ModuleList(name_to_block["ffn"](args.hidden) for _ in range(args.k))
+        self.optimizer = torch.optim.SGD(self.blocks.parameters(), lr=LR)
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
+        self.peer, self.next_peer = node.peer, next_peer
+        self.pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.backwards: dict[int, int] = {}
+        if next_peer is not None:
+            self.peer.add_addresses(next_peer.peer_id, next_peer.get_visible_maddrs())
+        run_coroutine(self._attach())
+
+    async def _attach(self) -> None:
+        self.peer.add_handler(STAGE_RPC, self.rpc_stage)
+
+    def _forward(self, key: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_(True)
+        with torch.enable_grad():
+            y = sum(block(x) for block in self.blocks) / len(self.blocks)
+        self.pending[key] = (x, y)
+        return y.detach()
+
+    def _backward(self, key: tuple[int, int], grad: torch.Tensor, micros: int) -> torch.Tensor:
+        x, y = self.pending.pop(key)
+        y.backward(grad)
+        batch = key[0]
+        self.backwards[batch] = self.backwards.get(batch, 0) + 1
+        if self.backwards[batch] == micros:  # the whole batch is through: one step
+            del self.backwards[batch]
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        return x.grad
+
+    async def rpc_stage(self, request: dict, context) -> dict:
+        loop = asyncio.get_running_loop()
+        key, micros = (request["batch"], request["micro"]), request["micros"]
+        (x,) = tensors_from_message(request["x"])
+        y = await loop.run_in_executor(self.executor, self._forward, key, x)
+        if self.next_peer is None:  # the last stage: the loss is the mean square
+            grad = y * (2.0 / (y.numel() * micros))
+        else:
+            reply = await self.peer.call(
+                self.next_peer.peer_id, STAGE_RPC, {**request, "x": tensors_to_message([y])}
+            )
+            (grad,) = tensors_from_message(reply["grad"])
+        gx = await loop.run_in_executor(self.executor, self._backward, key, grad, micros)
+        return {"grad": tensors_to_message([gx])}
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+
+def measure_pipeline(args: argparse.Namespace, latencies: list[float], micros: int) -> list[float]:
+    results = []
+    with SimSwarm(seed=2) as swarm:
+        driver = swarm.node()
+        nodes = [swarm.node() for _ in range(args.layers)]
+        stages = []
+        for i in reversed(range(args.layers)):
+            next_peer = nodes[i + 1].peer if i + 1 < args.layers else None
+            stages.append(Stage(args, nodes[i], next_peer))
+        first = nodes[0].peer
+        driver.peer.add_addresses(first.peer_id, first.get_visible_maddrs())
+        generator = torch.Generator().manual_seed(0)
+        counter = iter(range(1 << 62))
+
+        async def one_batch() -> int:
+            batch = next(counter)
+            x = torch.randn(args.batch, args.hidden, generator=generator)
+            await asyncio.gather(
+                *(
+                    driver.peer.call(
+                        first.peer_id,
+                        STAGE_RPC,
+                        {
+                            "batch": batch,
+                            "micro": m,
+                            "micros": micros,
+                            "x": tensors_to_message([part]),
+                        },
+                    )
+                    for m, part in enumerate(x.chunk(micros))
+                )
+            )
+            return args.batch
+
+        def run_until(deadline: float, done: list) -> None:
+            async def loop() -> None:
+                while time.perf_counter() < deadline:
+                    samples = await one_batch()
+                    done.append((time.perf_counter(), samples))
+
+            run_coroutine(loop())
+
+        run_coroutine(one_batch())  # connections, at zero latency
+        try:
+            for latency in latencies:
+                swarm.set_latency(latency)
+                batch_latency = 2 * args.layers * latency
+                results.append(
+                    run_phase(
+                        [run_until],
+                        warmup=args.warmup + batch_latency,
+                        measure=max(args.measure, 3 * batch_latency),
+                    )
+                )
+                name = "naive MP" if micros == 1 else f"GPipe x{micros}"
+                print(
+                    f"  {name:9} {latency * 1e3:5.0f} ms/hop: {results[-1]:8.1f} samples/s",
+                    flush=True,
+                )
+        finally:
+            for stage in stages:
+                stage.close()
+    return results
+
+
+# ---------------------------------------------------------------------- main
+
+
+def plot(path: Path, latencies_ms: list[float], series: dict[str, list[float]], title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (the bench extra): no plot", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for (label, values), marker in zip(series.items(), "osv^", strict=False):
+        ax.plot(latencies_ms, values, marker=marker, label=label)
+    ax.set_xlabel("added latency per hop, ms (one way)")
+    ax.set_ylabel("training samples/s")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    small = os.environ.get("LAH_SMALL", "") not in ("", "0")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", default=small)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--experts", type=int, help="experts per layer")
+    parser.add_argument("--k", type=int, help="experts per sample per layer (k_best)")
+    parser.add_argument("--servers", type=int)
+    parser.add_argument("--trainers", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--microbatches", type=int)
+    parser.add_argument("--latencies-ms", type=str)
+    parser.add_argument("--measure", type=float, help="seconds of the measurement window (min)")
+    parser.add_argument(
+        "--warmup", type=float, help="seconds of warm-up besides one step's latency"
+    )
+    parser.add_argument("--plot", type=str, default=os.environ.get("LAH_PLOT", str(DEFAULT_PLOT)))
+    args = parser.parse_args(argv)
+    defaults = dict(
+        layers=4, hidden=512, experts=4, k=2, servers=4, trainers=48, batch=32,
+        microbatches=4, latencies_ms="0,10,50,100,200", measure=10.0, warmup=2.0,
+    )  # fmt: skip
+    if args.small:
+        defaults.update(
+            layers=2, hidden=64, experts=2, k=1, servers=2, trainers=4, batch=8,
+            microbatches=2, latencies_ms="0,20", measure=1.0, warmup=0.3,
+        )  # fmt: skip
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            env = os.environ.get(f"LAH_{key.upper()}")
+            setattr(args, key, type(value)(env) if env else value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # every peer's device computes on one thread
+    latencies_ms = [float(v) for v in args.latencies_ms.split(",")]
+    latencies = [v / 1e3 for v in latencies_ms]
+    print(
+        f"{args.layers} layers of ffn (hidden {args.hidden}), {args.experts} experts/layer on "
+        f"{args.servers} servers, k={args.k}, {args.trainers} trainers x batch {args.batch}; "
+        f"pipelines: {args.layers} stages, batch {args.batch}",
+        flush=True,
+    )
+    started = time.perf_counter()
+    dmoe = measure_dmoe(args, latencies)
+    naive = measure_pipeline(args, latencies, 1)
+    gpipe = measure_pipeline(args, latencies, args.microbatches)
+    print(f"\n{'latency/hop':>12} {'DMoE':>10} {'naive MP':>10} {'GPipe':>10}   samples/s")
+    for ms, d, n, g in zip(latencies_ms, dmoe, naive, gpipe, strict=True):
+        print(f"{ms:9.0f} ms {d:10.1f} {n:10.1f} {g:10.1f}")
+    figures = {
+        "latency_ms": latencies_ms,
+        "dmoe_samples_per_s": [round(v, 1) for v in dmoe],
+        "naive_mp_samples_per_s": [round(v, 1) for v in naive],
+        "gpipe_samples_per_s": [round(v, 1) for v in gpipe],
+        "dmoe_retained": round(dmoe[-1] / dmoe[0], 3) if dmoe[0] else 0.0,
+        "naive_mp_retained": round(naive[-1] / naive[0], 3) if naive[0] else 0.0,
+        "gpipe_retained": round(gpipe[-1] / gpipe[0], 3) if gpipe[0] else 0.0,
+        "dmoe_over_naive_mp_at_max": round(dmoe[-1] / naive[-1], 2) if naive[-1] else None,
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "layers",
+                "hidden",
+                "experts",
+                "k",
+                "servers",
+                "trainers",
+                "batch",
+                "microbatches",
+            )
+        },
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    if args.plot:
+        title = (
+            f"{args.layers} ffn layers (hidden {args.hidden}), batch {args.batch}; "
+            f"DMoE: {args.trainers} trainers, {args.servers} servers"
+        )
+        series = {"DMoE (swarmgrad)": dmoe, "model parallel, naive": naive,
+                  f"model parallel, GPipe x{args.microbatches}": gpipe}  # fmt: skip
+        if plot(Path(args.plot), latencies_ms, series, title):
+            print(f"plot: {args.plot}")
+    print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
