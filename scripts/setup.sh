@@ -25,4 +25,9 @@ if [ "$(id -u)" = 0 ] && ! command -v nft >/dev/null 2>&1 && command -v apt-get 
     (apt-get update -qq && apt-get install -y -qq nftables >/dev/null) \
         || echo "setup: nftables not installed; network-lab tests will be skipped" >&2
 fi
+# The monitor's dashboard test loads the page in a headless chromium; it skips without one.
+if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+        || echo "setup: chromium not installed; the monitor's browser test will be skipped" >&2
+fi
 echo "swarmgrad is installed: $("$PYTHON" -c 'import swarmgrad; print(swarmgrad.__version__)')"

@@ -13,14 +13,15 @@ aggregate points (one per poll) and of each peer's loss.
 
 Records from the swarm are untrusted: a value that is not a well-formed record, or whose
 serialized size exceeds :data:`~swarmgrad.optim.metrics.MAX_METRICS_BYTES`, is ignored
-and counted (``rejected`` in the snapshot); a record is never trusted to be small enough
-to render as is.
+and counted once (``rejected`` in the snapshot: distinct records, not reads of them); a
+record is never trusted to be small enough to render as is.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -46,55 +47,73 @@ MAX_RUNS = 32  # runs followed at once (the run directory is unsigned: anyone ma
 MAX_PEERS_PER_RUN = 1024
 MAX_PROGRESS_BYTES = 4 * 1024
 _MAX_RUN_ID = 128
+_MAX_REMEMBERED_REFUSALS = 100_000
 
 
 @dataclass
 class ParsedRecords:
     """The well-formed records under one key (subkey -> record), the subkeys that said
-    goodbye (a None value), and counts of what was refused, by reason."""
+    goodbye (a None value), and what was refused: ``(reason, fingerprint)`` pairs, so
+    that a record read again at the next poll is not counted again."""
 
     records: dict[bytes, Any] = field(default_factory=dict)
     goodbyes: set[bytes] = field(default_factory=set)
-    rejected: Counter = field(default_factory=Counter)
+    refused: list[tuple[str, bytes]] = field(default_factory=list)
+
+    @property
+    def rejected(self) -> Counter:
+        """Refused records by reason (malformed, oversized)."""
+        return Counter(reason for reason, _ in self.refused)
 
 
-def _entries(found: Any, rejected: Counter) -> list[tuple[Any, Any]]:
+def _fingerprint(*parts: Any) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        try:
+            data = serialize(part)
+        except Exception:
+            data = repr(part)[:1024].encode("utf-8", "replace")
+        digest.update(len(data).to_bytes(8, "big") + data)
+    return digest.digest()
+
+
+def _entries(found: Any, refused: list[tuple[str, bytes]]) -> list[tuple[Any, Any, Any]]:
+    """(subkey, value, expiration) of each entry of a dictionary value."""
     if found is None:
         return []
     value = found.value if isinstance(found, ValueWithExpiration) else found
-    if not isinstance(value, dict):
-        rejected["malformed"] += 1  # a plain value where a dictionary of records belongs
+    if not isinstance(value, dict):  # a plain value where a dictionary of records belongs
+        refused.append(("malformed", _fingerprint(value)))
         return []
     return [
-        (subkey, entry.value if isinstance(entry, ValueWithExpiration) else entry)
+        (subkey, *(entry if isinstance(entry, ValueWithExpiration) else (entry, None)))
         for subkey, entry in value.items()
     ]
 
 
 def _parse(found: Any, model: type, max_bytes: int) -> ParsedRecords:
     parsed = ParsedRecords()
-    for subkey, value in _entries(found, parsed.rejected):
-        if not isinstance(subkey, bytes):
-            parsed.rejected["malformed"] += 1
-            continue
-        if value is None:
+    for subkey, value, expiration in _entries(found, parsed.refused):
+        if isinstance(subkey, bytes) and value is None:
             parsed.goodbyes.add(subkey)
             continue
         try:
             size = len(serialize(value))
         except Exception:
-            parsed.rejected["malformed"] += 1
-            continue
+            size = 0
+        reason = None
         if size > max_bytes:
-            parsed.rejected["oversized"] += 1
-            continue
-        if not isinstance(value, dict):
-            parsed.rejected["malformed"] += 1
-            continue
-        try:
-            parsed.records[subkey] = model.model_validate(value, strict=True)
-        except Exception:
-            parsed.rejected["malformed"] += 1
+            reason = "oversized"
+        elif not isinstance(subkey, bytes) or not isinstance(value, dict) or not size:
+            reason = "malformed"
+        else:
+            try:
+                parsed.records[subkey] = model.model_validate(value, strict=True)
+            except Exception:
+                reason = "malformed"
+        if reason is not None:
+            fingerprint = _fingerprint(subkey, expiration, size, value if size < 4096 else None)
+            parsed.refused.append((reason, fingerprint))
     return parsed
 
 
@@ -108,11 +127,12 @@ def parse_progress(found: Any) -> ParsedRecords:
     return _parse(found, LocalTrainingProgress, MAX_PROGRESS_BYTES)
 
 
-def parse_run_directory(found: Any) -> tuple[list[str], Counter]:
-    """Run ids announced under the run directory key, freshest first (at most MAX_RUNS)."""
-    rejected: Counter = Counter()
+def parse_run_directory(found: Any) -> tuple[list[str], list[tuple[str, bytes]]]:
+    """Run ids announced under the run directory key, freshest first (at most MAX_RUNS),
+    and the entries refused (as in :class:`ParsedRecords`)."""
+    refused: list[tuple[str, bytes]] = []
     runs = []
-    for subkey, value in _entries(found, rejected):
+    for subkey, value, expiration in _entries(found, refused):
         if (
             not isinstance(subkey, str)
             or not 0 < len(subkey) <= _MAX_RUN_ID
@@ -121,11 +141,11 @@ def parse_run_directory(found: Any) -> tuple[list[str], Counter]:
             or not isinstance(value, int | float)
             or not math.isfinite(value)
         ):
-            rejected["malformed"] += 1
+            refused.append(("malformed", _fingerprint(subkey, value, expiration)))
             continue
         runs.append((float(value), subkey))
     runs.sort(reverse=True)
-    return [run for _, run in runs[:MAX_RUNS]], rejected
+    return [run for _, run in runs[:MAX_RUNS]], refused
 
 
 def _peer_name(subkey: bytes, claimed: bytes) -> str:
@@ -175,20 +195,28 @@ class SwarmView:
         self.forget_after = forget_after
         self.runs: dict[str, _Run] = {}
         self.rejected: Counter = Counter()
+        self._refused_seen: set[bytes] = set()
         self.polls = 0
         self.poll_errors = 0
         self.last_poll_error: str | None = None
         self.last_poll_time: float | None = None
 
-    def count_rejected(self, rejected: Counter) -> None:
-        self.rejected.update(rejected)
+    def count_rejected(self, refused: list[tuple[str, bytes]]) -> None:
+        """Count each refused record once, however many polls read it again."""
+        for reason, fingerprint in refused:
+            if fingerprint in self._refused_seen:
+                continue
+            if len(self._refused_seen) >= _MAX_REMEMBERED_REFUSALS:
+                self._refused_seen.clear()  # a flood: some may be counted twice, never lost
+            self._refused_seen.add(fingerprint)
+            self.rejected[reason] += 1
 
     def update_run(
         self, run_id: str, progress: ParsedRecords, metrics: ParsedRecords, now: float
     ) -> None:
         """Apply what one poll found for ``run_id`` and add a point to its history."""
-        self.count_rejected(progress.rejected)
-        self.count_rejected(metrics.rejected)
+        self.count_rejected(progress.refused)
+        self.count_rejected(metrics.refused)
         run = self.runs.get(run_id)
         if run is None:
             if len(self.runs) >= MAX_RUNS:

@@ -155,9 +155,9 @@ class Monitor:
                 run_ids = self.run_ids
                 if run_ids is None:
                     found = await node.get(RUNS_KEY, latest=True)
-                    run_ids, rejected = parse_run_directory(found)
+                    run_ids, refused = parse_run_directory(found)
                     with self._lock:
-                        self.view.count_rejected(rejected)
+                        self.view.count_rejected(refused)
                 keys = [f"{run}_progress" for run in run_ids]
                 keys += [metrics_key(run) for run in run_ids]
                 found = await node.get_many(keys, latest=True) if keys else {}

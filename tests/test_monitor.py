@@ -1,0 +1,266 @@
+"""``Monitor`` and ``swarmgrad monitor`` against real DHT peers on loopback: bad records,
+a port in use, clean shutdown, and a small swarm of Optimizer peers watched through
+``/metrics`` (Prometheus' parser), ``/api/snapshot`` and a headless browser."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from swarmgrad.dht import DHT
+from swarmgrad.dht.crypto import Ed25519SignatureValidator
+from swarmgrad.monitor import Monitor, PortInUse
+from swarmgrad.optim.metrics import RUNS_KEY, MetricsPublisher, metrics_key
+from swarmgrad.utils.timeutils import get_dht_time
+from tests.optim_helpers import Trainer, make_model, make_optimizer, wait_until
+
+prometheus_parser = pytest.importorskip(
+    "prometheus_client.parser", reason="prometheus_client is not installed (the test extra)"
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _get(url: str, timeout: float = 10.0) -> tuple[int, str, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.headers["Content-Type"], response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read()
+
+
+def _snapshot(monitor: Monitor) -> dict:
+    status, content_type, body = _get(monitor.url + "api/snapshot")
+    assert status == 200 and content_type == "application/json"
+    return json.loads(body)
+
+
+def _families(monitor: Monitor) -> dict:
+    status, content_type, body = _get(monitor.url + "metrics")
+    assert status == 200 and content_type.startswith("text/plain; version=0.0.4")
+    return {f.name: f for f in prometheus_parser.text_string_to_metric_families(body.decode())}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def bootstrap():
+    dht = DHT(start=True)  # no validators: it stores whatever a peer signs
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+
+
+def _join(bootstrap: DHT, **options) -> DHT:
+    address = [str(a) for a in bootstrap.get_visible_maddrs()]
+    return DHT(initial_peers=address, start=True, **options)
+
+
+def test_malformed_and_oversized_records_are_counted_and_the_pages_still_serve(bootstrap):
+    honest, attacker, watcher = _join(bootstrap), _join(bootstrap), None
+    publisher = monitor = None
+    try:
+        publisher = MetricsPublisher(honest, "run", period=0.5)
+        publisher.report_loss(1.25)
+        signer = Ed25519SignatureValidator(attacker.peer.identity)
+        attacker.add_validators([signer])
+        expiration = get_dht_time() + 60
+        key, mine = metrics_key("run"), signer.local_public_key
+        junk = [
+            {"loss": "low", "epoch": -1},
+            ["not", "a", "record"],
+            {"peer_id": b"x", "time": 1.0, "padding": "x" * 40_000},
+        ]
+        for index, value in enumerate(junk):  # subkeys that hold the attacker's marker
+            assert attacker.store(key, value, expiration, subkey=mine + b"/%d" % index)
+        assert attacker.store(RUNS_KEY, "not a time", expiration, subkey="bogus-run")
+        watcher = _join(bootstrap, client_mode=True)
+        monitor = Monitor(watcher, port=0, poll_interval=0.3)
+
+        def settled() -> bool:
+            runs = {r["run_id"]: r for r in monitor.snapshot()["runs"]}
+            return "run" in runs and runs["run"]["loss"] == 1.25
+
+        wait_until(settled, 30, "the honest peer's record")
+        wait_until(lambda: monitor.snapshot()["polls"] >= 3, 30, "three polls")
+        snapshot = _snapshot(monitor)
+        # each bad record counted once, however many polls read it: two malformed metrics
+        # records and a malformed run directory entry; one oversized record
+        assert snapshot["rejected"] == {"malformed": 3, "oversized": 1}
+        (run,) = [r for r in snapshot["runs"] if r["run_id"] == "run"]
+        assert [p["peer_id"] for p in run["peers"]] == [str(honest.peer_id)]
+        assert _get(monitor.url)[0] == 200
+        families = _families(monitor)
+        rejected = {
+            s.labels["reason"]: s.value
+            for s in families["swarmgrad_monitor_records_rejected"].samples
+        }
+        assert rejected == {"malformed": 3, "oversized": 1}
+        assert _get(monitor.url + "nothing-here")[0] == 404
+    finally:
+        for item in (monitor, publisher):
+            if item is not None:
+                item.shutdown()
+        for dht in (watcher, attacker, honest):
+            if dht is not None:
+                dht.shutdown()
+
+
+def test_a_port_in_use_is_refused_naming_it_and_shutdown_frees_the_port(bootstrap):
+    watcher = _join(bootstrap, client_mode=True)
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            with pytest.raises(PortInUse, match=f"port {port} "):
+                Monitor(watcher, port=port)
+        monitor = Monitor(watcher, port=port, poll_interval=0.2)
+        monitor.wait_for_first_poll()
+        assert _get(monitor.url)[0] == 200
+        monitor.shutdown()
+        monitor.shutdown()  # idempotent
+        assert monitor._poller is None
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        with socket.socket() as again:  # the port is free again
+            again.bind(("127.0.0.1", port))
+    finally:
+        watcher.shutdown()
+
+
+def test_cli_port_in_use_exits_2_with_a_clear_message_and_no_traceback(bootstrap):
+    address = str(bootstrap.get_visible_maddrs()[0])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "swarmgrad.cli.main", "monitor", "--initial-peers", address,
+             "--port", str(port)],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+# ---------------------------------------------------------------------- a small swarm
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """Two Optimizer peers training in threads, publishing metrics every 0.5 s, and a
+    monitor polling every 0.5 s; yields (monitor, the peers' ids)."""
+    dhts, trainers, opts, monitor = [], [], [], None
+    try:
+        dhts.append(DHT(start=True))
+        address = [str(a) for a in dhts[0].get_visible_maddrs()]
+        for index in range(2):
+            dht = DHT(initial_peers=address, start=True)
+            dhts.append(dht)
+            model = make_model(seed=index)
+            opt = make_optimizer(dht, model, target_batch_size=32, metrics={"period": 0.5})
+            opts.append(opt)
+            trainers.append(
+                Trainer(opt, model, seed=index, until_epoch=10**6, deadline=300,
+                        on_step=lambda t: t.opt.report(loss=t.losses[-1]))
+            )  # fmt: skip
+        for trainer in trainers:
+            trainer.start()
+        watcher = DHT(initial_peers=address, client_mode=True, start=True)
+        dhts.append(watcher)
+        monitor = Monitor(watcher, port=0, poll_interval=0.5)
+
+        def ready() -> bool:
+            runs = monitor.snapshot()["runs"]
+            if not runs:
+                return False
+            run = runs[0]
+            with_loss = [p for p in run["peers"] if p["loss"] is not None]
+            losses = [x for x in run["history"]["loss"] if x is not None]
+            return len(with_loss) == 2 and len(losses) >= 3 and run["epoch"] >= 1
+
+        wait_until(ready, 60, "both peers' losses and an epoch in the monitor")
+        yield monitor, sorted(str(d.peer_id) for d in dhts[1:3])
+    finally:
+        for trainer in trainers:
+            trainer.stop.set()
+        for trainer in trainers:
+            trainer.join(30)
+        if monitor is not None:
+            monitor.shutdown()
+        for opt in opts:
+            opt.shutdown()
+        for dht in reversed(dhts):
+            dht.shutdown()
+
+
+def test_snapshot_and_prometheus_endpoint_show_both_peers_and_their_loss(swarm):
+    monitor, peer_ids = swarm
+    (run,) = _snapshot(monitor)["runs"]
+    assert run["run_id"] == "test_run"
+    assert sorted(p["peer_id"] for p in run["peers"]) == peer_ids
+    assert all(p["loss"] is not None and p["bytes_sent"] > 0 for p in run["peers"])
+    assert all(p["has_progress"] and p["has_metrics"] for p in run["peers"])
+    assert run["loss"] is not None and run["num_peers"] == 2
+
+    families = _families(monitor)
+    (peers,) = families["swarmgrad_run_peers"].samples
+    assert peers.value == 2 and peers.labels == {"run": "test_run"}
+    losses = {s.labels["peer"]: s.value for s in families["swarmgrad_peer_loss"].samples}
+    assert sorted(losses) == peer_ids
+    assert families["swarmgrad_peer_bytes_sent"].type == "counter"
+    outcomes = {s.labels["outcome"] for s in families["swarmgrad_peer_averaging_rounds"].samples}
+    assert outcomes == {"ok", "failed"}
+    assert families["swarmgrad_monitor_polls"].samples[0].value >= 3
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def test_headless_browser_shows_the_peers_and_a_loss_curve(swarm):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no chromium binary found (apt-get install -y chromium)")
+    monitor, peer_ids = swarm
+    with tempfile.TemporaryDirectory(prefix="swarmgrad-chromium-") as profile:
+        result = subprocess.run(
+            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--dump-dom",
+             monitor.url],
+            capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+    dom = result.stdout
+    assert result.returncode == 0, result.stderr[-2000:]
+    for peer_id in peer_ids:
+        assert f'class="peer" data-peer="{peer_id}"' in dom, dom[-3000:]
+    # the run's mean loss as an SVG path of several points, and each peer's own curve
+    assert 'class="series loss-line"' in dom
+    points = re.search(r'class="series loss-line" data-name="mean" data-points="(\d+)"', dom)
+    assert points is not None and int(points.group(1)) >= 2, dom[-3000:]
+    assert dom.count('class="series peer-loss"') == 2
+    assert '<span class="empty">no run seen yet</span>' not in dom
+    assert 'data-run="test_run"' in dom
