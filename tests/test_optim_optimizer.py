@@ -519,6 +519,30 @@ def test_grad_averager_factory_builds_the_gradient_averager():
             shutdown_all(*opts)
 
 
+def test_a_short_matchmaking_time_leaves_the_round_waits_adaptive(one_dht):
+    """hivemind's default next_chunk_timeout is matchmaking_time: with a 1-s window every
+    part had to arrive within 1 s, which excluded each peer on a slow link from every
+    round. Unless next_chunk_timeout is given, the waits adapt to the link (deadlines.py)
+    and state chunks keep the downloader's own timeout."""
+    model = make_model(0)
+    opt = make_optimizer(one_dht, model, matchmaking_time=1.0)
+    try:
+        for averager in (opt.grad_averager, opt.state_averager):
+            core = averager._core
+            assert core.sender_timeout is None and core.next_chunk_timeout is None
+            assert core._timeouts_for_round().sender_timeout is None
+            assert "chunk_timeout" not in core._download_options
+    finally:
+        opt.shutdown()
+    opt = make_optimizer(one_dht, make_model(0), run_id="fixed", next_chunk_timeout=7.0)
+    try:
+        for averager in (opt.grad_averager, opt.state_averager):
+            assert averager._core._timeouts_for_round().sender_timeout == 7.0
+            assert averager._core._download_options["chunk_timeout"] == 7.0
+    finally:
+        opt.shutdown()
+
+
 def test_joiner_downloads_extra_tensors_and_optimizer_state():
     with dht_swarm(2) as dhts:
         model = make_model(0)

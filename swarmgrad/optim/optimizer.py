@@ -81,7 +81,9 @@ class Optimizer(torch.optim.Optimizer):
     (a factory ``callable(optimizer)``; steps once per epoch), ``matchmaking_time``
     (how early a group is sought before the epoch ends), ``averaging_timeout`` (bound on
     a whole averaging step), ``allreduce_timeout`` (default: averaging_timeout),
-    ``next_chunk_timeout`` (default: matchmaking_time), ``load_state_timeout``,
+    ``next_chunk_timeout`` (a fixed wait for each part of a round and each chunk of a
+    state download; default: none, the waits adapt to the link, unlike hivemind's
+    default of matchmaking_time), ``load_state_timeout``,
     ``reuse_grad_buffers``, ``offload_optimizer`` (default: when ``params`` is given
     and gradients are averaged), ``delay_optimizer_step`` (default:
     delay_grad_averaging), ``delay_grad_averaging``, ``delay_state_averaging``,
@@ -185,7 +187,10 @@ class Optimizer(torch.optim.Optimizer):
         matchmaking_time = 15.0 if matchmaking_time is None else float(matchmaking_time)
         averaging_timeout = 60.0 if averaging_timeout is None else float(averaging_timeout)
         allreduce_timeout = averaging_timeout if allreduce_timeout is None else allreduce_timeout
-        next_chunk_timeout = matchmaking_time if next_chunk_timeout is None else next_chunk_timeout
+        # next_chunk_timeout stays None unless given: hivemind defaults it to
+        # matchmaking_time, which turned a short matchmaking window into a fixed per-part
+        # deadline that excluded every peer on a slow link (the averagers' own waits adapt
+        # to the throughput they see, see averaging/deadlines.py)
         _check_modes(
             client_mode=client_mode,
             auxiliary=auxiliary,
