@@ -2,7 +2,9 @@
 exists, every link between pages resolves, every ``::: name`` in docs/api/ names a real
 object, and the API pages carry the docstrings and signatures of the key classes."""
 
+import html
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,7 +79,8 @@ def _config_over_copy(tmp_path: Path) -> tuple[Path, Path]:
     config = yaml.safe_load(text)
     config["docs_dir"] = str(docs)
     config["hooks"] = [str(ROOT / hook) for hook in config.get("hooks", [])]
-    python = config["plugins"][1]["mkdocstrings"]["handlers"]["python"]
+    plugin = next(p for p in config["plugins"] if isinstance(p, dict) and "mkdocstrings" in p)
+    python = plugin["mkdocstrings"]["handlers"]["python"]
     python["paths"] = [str(ROOT)]
     options = python["options"]
     options["extensions"] = [str(ROOT / ext) for ext in options.get("extensions", [])]
@@ -87,9 +90,6 @@ def _config_over_copy(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _text(html_file: Path) -> str:
-    import html
-    import re
-
     return html.unescape(re.sub(r"<[^>]+>", "", html_file.read_text()))
 
 
