@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from swarmgrad.averaging.offenders import OffenceCounts
 from swarmgrad.dht import DHT
 from swarmgrad.dht.crypto import Ed25519SignatureValidator
 from swarmgrad.monitor import Monitor, PortInUse
@@ -168,7 +169,8 @@ def test_cli_port_in_use_exits_2_with_a_clear_message_and_no_traceback(bootstrap
 @pytest.fixture(scope="module")
 def swarm():
     """Two Optimizer peers training in threads, publishing metrics every 0.5 s, and a
-    monitor polling every 0.5 s; yields (monitor, the peers' ids)."""
+    monitor polling every 0.5 s; yields (monitor, the peers' ids, their optimizers, the
+    bootstrap address)."""
     dhts, trainers, opts, monitor = [], [], [], None
     try:
         dhts.append(DHT(start=True))
@@ -177,7 +179,10 @@ def swarm():
             dht = DHT(initial_peers=address, start=True)
             dhts.append(dht)
             model = make_model(seed=index)
-            opt = make_optimizer(dht, model, target_batch_size=32, metrics={"period": 0.5})
+            # a peer whose partner stopped waits out its round at teardown: keep it short
+            opt = make_optimizer(
+                dht, model, target_batch_size=32, averaging_timeout=5.0, metrics={"period": 0.5}
+            )
             opts.append(opt)
             trainers.append(
                 Trainer(opt, model, seed=index, until_epoch=10**6, deadline=300,
@@ -199,7 +204,7 @@ def swarm():
             return len(with_loss) == 2 and len(losses) >= 3 and run["epoch"] >= 1
 
         wait_until(ready, 60, "both peers' losses and an epoch in the monitor")
-        yield monitor, sorted(str(d.peer_id) for d in dhts[1:3])
+        yield monitor, sorted(str(d.peer_id) for d in dhts[1:3]), opts, address
     finally:
         for trainer in trainers:
             trainer.stop.set()
@@ -214,7 +219,7 @@ def swarm():
 
 
 def test_snapshot_and_prometheus_endpoint_show_both_peers_and_their_loss(swarm):
-    monitor, peer_ids = swarm
+    monitor, peer_ids, _, _ = swarm
     (run,) = _snapshot(monitor)["runs"]
     assert run["run_id"] == "test_run"
     assert sorted(p["peer_id"] for p in run["peers"]) == peer_ids
@@ -245,7 +250,7 @@ def test_headless_browser_shows_the_peers_and_a_loss_curve(swarm):
     browser = _chromium()
     if browser is None:
         pytest.skip("no chromium binary found (apt-get install -y chromium)")
-    monitor, peer_ids = swarm
+    monitor, peer_ids, _, _ = swarm
     with tempfile.TemporaryDirectory(prefix="swarmgrad-chromium-") as profile:
         result = subprocess.run(
             [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
@@ -264,3 +269,44 @@ def test_headless_browser_shows_the_peers_and_a_loss_curve(swarm):
     assert dom.count('class="series peer-loss"') == 2
     assert '<span class="empty">no run seen yet</span>' not in dom
     assert 'data-run="test_run"' in dom
+
+
+def test_offenders_of_a_peers_averagers_reach_the_monitor_and_prometheus(swarm):
+    """Robust averaging's evidence (``DecentralizedAverager.offenders``) travels in the
+    peer's metrics record: counts from both of its averagers are summed per offender."""
+    monitor, peer_ids, opts, _ = swarm
+    reporter = opts[0]
+    offender = "12D3KooWOffenderOffenderOffenderOffenderOffender"
+    for averager, rounds in ((reporter.grad_averager, 2), (reporter.state_averager, 1)):
+        counts = averager._core.offenders.counts.setdefault(offender, OffenceCounts())
+        counts.clipped_rounds += rounds
+        counts.bad_reductions += 1
+
+    def reported() -> bool:
+        offenders = monitor.snapshot()["runs"][0]["offenders"]
+        return any(o["peer_id"] == offender for o in offenders)
+
+    wait_until(reported, 30, "the offender in the monitor")
+    (entry,) = _snapshot(monitor)["runs"][0]["offenders"]
+    assert entry["reported_by"] == 1
+    assert entry["clipped_rounds"] == 3 and entry["bad_reductions"] == 2
+    assert entry["banned_by"] == 0
+    families = _families(monitor)
+    (clipped,) = families["swarmgrad_offender_clipped_rounds"].samples
+    assert clipped.labels["offender"] == offender and clipped.value == 3
+    assert clipped.labels["peer"] == str(reporter.dht.peer_id)
+
+
+def test_cli_json_prints_one_snapshot_with_the_run(swarm):
+    monitor, peer_ids, _, address = swarm
+    result = subprocess.run(
+        [sys.executable, "-m", "swarmgrad.cli.main", "monitor", "--initial-peers", *address,
+         "--run-id", "test_run", "--json"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    snapshot = json.loads(result.stdout)
+    (run,) = snapshot["runs"]
+    assert run["run_id"] == "test_run"
+    assert sorted(p["peer_id"] for p in run["peers"]) == peer_ids
