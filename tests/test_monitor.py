@@ -23,6 +23,7 @@ from swarmgrad.dht import DHT
 from swarmgrad.dht.crypto import Ed25519SignatureValidator
 from swarmgrad.monitor import Monitor, PortInUse
 from swarmgrad.optim.metrics import RUNS_KEY, MetricsPublisher, metrics_key
+from swarmgrad.utils.loop_thread import run_coroutine
 from swarmgrad.utils.timeutils import get_dht_time
 from tests.optim_helpers import Trainer, make_model, make_optimizer, wait_until
 
@@ -277,10 +278,14 @@ def test_offenders_of_a_peers_averagers_reach_the_monitor_and_prometheus(swarm):
     monitor, peer_ids, opts, _ = swarm
     reporter = opts[0]
     offender = "12D3KooWOffenderOffenderOffenderOffenderOffender"
-    for averager, rounds in ((reporter.grad_averager, 2), (reporter.state_averager, 1)):
-        counts = averager._core.offenders.counts.setdefault(offender, OffenceCounts())
-        counts.clipped_rounds += rounds
-        counts.bad_reductions += 1
+
+    async def record_offences() -> None:  # on the loop thread, which owns the logs
+        for averager, rounds in ((reporter.grad_averager, 2), (reporter.state_averager, 1)):
+            counts = averager._core.offenders.counts.setdefault(offender, OffenceCounts())
+            counts.clipped_rounds += rounds
+            counts.bad_reductions += 1
+
+    run_coroutine(record_offences(), timeout=10)
 
     def reported() -> bool:
         offenders = monitor.snapshot()["runs"][0]["offenders"]
