@@ -1,6 +1,7 @@
 """The documentation site builds with ``mkdocs build --strict``: every page in the nav
 exists, every link between pages resolves, every ``::: name`` in docs/api/ names a real
-object, and the API pages carry the docstrings and signatures of the key classes."""
+object, the API pages carry the docstrings and signatures of the key classes, and every
+public name of ``swarmgrad`` has its entry there."""
 
 import html
 import os
