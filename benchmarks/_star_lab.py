@@ -10,8 +10,11 @@ to a hub namespace that bridges them (see /work/shared/NETLAB.md).
 Each host's veth is shaped with ``tc tbf`` in both directions (its upload on the host
 side, its download on the hub side), so a host's link is what a home or cloud uplink of
 that rate would be. The hub runs unshaped services (a bootstrap peer). Bytes a host sent
-are read from its veth's counters. Names are unique to this process; :meth:`close`
-deletes every namespace it made (and with them the veths), even after a partial setup.
+are read from its veth's counters. Names are unique to this process (and to ``prefix``);
+:meth:`close` deletes every namespace it made (and with them the veths), even after a
+partial setup. ``subnet`` (the first three octets) keeps a user's addresses apart from
+other labs'; rates can be changed (:meth:`set_rate`) and links taken down
+(:meth:`set_link`) while processes run.
 """
 
 from __future__ import annotations
@@ -45,6 +48,15 @@ def lab_unavailable_reason() -> str | None:
     return None
 
 
+def _bits_per_second(rate: str) -> int:
+    """``"100mbit"`` -> 100_000_000 (tc's decimal units)."""
+    units = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
+    for unit, factor in units.items():
+        if rate.endswith(unit):
+            return int(float(rate[: -len(unit)]) * factor)
+    raise ValueError(f"rate {rate!r}: expected a number followed by gbit, mbit or kbit")
+
+
 def _run(command: str, check: bool = True) -> str:
     done = subprocess.run(
         command.split(), capture_output=True, text=True, timeout=_TIMEOUT, check=False
@@ -57,11 +69,19 @@ def _run(command: str, check: bool = True) -> str:
 class StarLab:
     """``StarLab(hosts=4, rate="20mbit")``; use as a context manager."""
 
-    def __init__(self, hosts: int, rate: str | Sequence[str] | None):
+    def __init__(
+        self,
+        hosts: int,
+        rate: str | Sequence[str] | None,
+        *,
+        prefix: str = "sg",
+        subnet: str = "10.79.0",
+    ):
         self.tag = str(os.getpid())
-        self.hub = f"sghub{self.tag}"
-        self.hosts = [f"sgh{i}x{self.tag}" for i in range(hosts)]
-        self.addresses = [f"10.79.0.{10 + i}" for i in range(hosts)]
+        self.hub = f"{prefix}hub{self.tag}"
+        self.hosts = [f"{prefix}h{i}x{self.tag}" for i in range(hosts)]
+        self.hub_addr = f"{subnet}.1"
+        self.addresses = [f"{subnet}.{10 + i}" for i in range(hosts)]
         rates = [rate] * hosts if rate is None or isinstance(rate, str) else list(rate)
         if len(rates) != hosts:
             raise ValueError(f"{len(rates)} rates for {hosts} hosts")
@@ -87,7 +107,7 @@ class StarLab:
     def _build(self) -> None:
         self._namespace(self.hub)
         _run(f"ip -n {self.hub} link add br0 type bridge")
-        _run(f"ip -n {self.hub} addr add {HUB_ADDR}/24 dev br0")
+        _run(f"ip -n {self.hub} addr add {self.hub_addr}/24 dev br0")
         _run(f"ip -n {self.hub} link set br0 up")
         for i, (ns, address, rate) in enumerate(
             zip(self.hosts, self.addresses, self.rates, strict=True)
@@ -99,12 +119,29 @@ class StarLab:
             _run(f"ip -n {self.hub} link set p{i} master br0")
             _run(f"ip -n {self.hub} link set p{i} up")
             if rate is not None:
-                # burst: a few ms of the rate (at least one 64 KB TSO segment)
-                for where, dev in ((ns, "eth0"), (self.hub, f"p{i}")):
-                    _run(
-                        f"tc -n {where} qdisc add dev {dev} root tbf rate {rate} "
-                        f"burst 64kb latency 100ms"
-                    )
+                self.set_rate(i, rate, replace=False)
+
+    def set_rate(self, host: int, rate: str | None, *, replace: bool = True) -> None:
+        """Shape host ``host``'s link to ``rate`` (tc syntax, e.g. ``"100mbit"``) both ways;
+        None removes the shaping."""
+        for where, dev in ((self.hosts[host], "eth0"), (self.hub, f"p{host}")):
+            if rate is None:
+                _run(f"tc -n {where} qdisc del dev {dev} root", check=False)
+                continue
+            # burst: at least one 64 KB TSO segment, and 1 ms of the rate so that a fast
+            # link is not held back by the timer's granularity
+            burst = max(64 * 1024, _bits_per_second(rate) // 8 // 1000)
+            verb = "replace" if replace else "add"
+            _run(
+                f"tc -n {where} qdisc {verb} dev {dev} root tbf rate {rate} "
+                f"burst {burst} latency 100ms"
+            )
+        self.rates[host] = rate
+
+    def set_link(self, host: int, up: bool) -> None:
+        """Take host ``host``'s link down (its hub end: the host sees nothing, packets to
+        and from it vanish) or bring it back up."""
+        _run(f"ip -n {self.hub} link set p{host} {'up' if up else 'down'}")
 
     def exec_prefix(self, host: int | None) -> list[str]:
         """The command prefix that runs a process inside host ``host`` (None: the hub)."""
