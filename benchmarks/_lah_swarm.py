@@ -14,6 +14,7 @@ is two hops (request, answer).
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 from types import SimpleNamespace
 from typing import Any
@@ -36,6 +37,7 @@ class SimSwarm:
         self.hosts: list[str] = []
         self.nodes: list[DHTNode] = []
         self.servers: list[Server] = []
+        self.failed_calls: collections.Counter[str] = collections.Counter()  # by RPC name
 
     @staticmethod
     async def _make_network(seed: int, latency: float) -> SimNetwork:
@@ -75,7 +77,8 @@ class SimSwarm:
         await server.astart()
         self.servers.append(server)
         if failure_rate > 0:
-            fail_some_calls(server, node.peer, failure_rate, random.Random(self.rng.random()))
+            rng = random.Random(self.rng.random())
+            fail_some_calls(server, node.peer, failure_rate, rng, self.failed_calls)
         return server
 
     # ------------------------------------------------------------------ network
@@ -105,18 +108,26 @@ class SimSwarm:
             self.servers, self.nodes = [], []
 
 
-def fail_some_calls(server: Server, peer: Any, rate: float, rng: random.Random) -> None:
+def fail_some_calls(
+    server: Server,
+    peer: Any,
+    rate: float,
+    rng: random.Random,
+    counter: collections.Counter[str] | None = None,
+) -> None:
     """Make ``rate`` of the expert calls (forward and backward) to ``server`` fail.
 
     A failed call is refused by the server with an :class:`ExpertFailure` before it reaches
     the expert (no computation, no update), so the caller learns of it one round trip
     later as a ``RemoteError``, as it would from a server that crashed or gave up on the
-    request. Call on the loop thread."""
+    request. ``counter`` counts the failed calls by RPC name. Call on the loop thread."""
     handler = server.connection_handler
 
     def flaky(name: str, fn: Any) -> Any:
         async def call(request: Any, context: Any) -> Any:
             if rng.random() < rate:
+                if counter is not None:
+                    counter[name] += 1
                 raise ExpertFailure(f"{name}: an injected failure (rate {rate})")
             return await fn(request, context)
 

@@ -10,10 +10,13 @@ The experiment of Ryabinin & Gusev (2020), section 4.1, on this machine: a stack
   on each backward call, asynchronously (no synchronisation between trainers);
 * **model parallel**: the same layers, one per stage peer (a stage computes the mean of
   ``k`` ffn blocks: the same compute per sample as a DMoE layer), a batch passing from
-  stage to stage and its gradient back; ``naive``: one batch in flight, the stage weights
-  step after each batch; ``gpipe``: the batch split into ``--microbatches`` (4)
-  micro-batches that flow through the stages concurrently (GPipe's overlap), the
-  gradients accumulated and one step per batch.
+  stage to stage and its gradient back; ``naive``: one batch of ``--batch`` in flight, the
+  stage weights step after each batch (one update per 32 samples, as each DMoE trainer
+  step); ``gpipe``: batches of ``--microbatches`` (4) micro-batches of ``--batch`` that
+  flow through the stages concurrently (GPipe's overlap), the gradients accumulated and
+  one step per batch. (Micro-batches of 32, not 8: on this CPU an ffn on 8 samples costs
+  nearly what it costs on 32, so splitting a batch of 32 made GPipe 2-2.5x slower than
+  the naive pipeline at 0 ms.)
 
 Every peer lives in this process on swarmgrad's simulated network (:mod:`_lah_swarm`),
 which runs in real time here: the link latency (one-way, per hop: 0, 10, 50, 100, 200
@@ -23,8 +26,10 @@ expert call, forward and backward (16 hops per step for 4 layers); the pipeline 
 per stage boundary each way (8 hops per batch, the trainer's to the first stage
 included). Bandwidth is unlimited (4 MiB TCP-like receive windows).
 
-Throughput: samples whose backward completed within a measurement window that starts
-after a warm-up of one step's worth of latency, per second. Prints a table and, last,
+The workers (trainers, the pipeline's driver) run without pause while the latency steps
+from one value to the next; throughput is the samples whose backward completed within
+a window that opens once the new latency has settled (a step's worth of time after the
+change), per second of the window. Prints a table and, last,
 one JSON line. ``LAH_SMALL=1`` (or ``--small``) is a seconds-long configuration for
 tests; ``LAH_PLOT`` is where the PNG goes (empty: no plot).
 """
@@ -112,49 +117,68 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad()
 
-    def run_until(self, deadline: float, done: list) -> None:
-        while time.perf_counter() < deadline:
+    def run(self, stop: threading.Event, done: list) -> None:
+        while not stop.is_set():
             self.step()
             done.append((time.perf_counter(), self.batch))
 
 
 def measure_dmoe(args: argparse.Namespace, latencies: list[float]) -> list[float]:
-    results = []
     with SimSwarm(seed=1) as swarm:
+        # trainers join first: the servers' declarations then land on the nodes nearest to
+        # each key in the whole swarm (records stored before 40 more nodes join can end up
+        # outside the 20 nodes a lookup asks, until the servers re-declare 30 s later)
+        trainers = [Trainer(swarm, args, seed) for seed in range(args.trainers)]
         for s in range(args.servers):
             swarm.server(expert_backends(args, s))
-        trainers = [Trainer(swarm, args, seed) for seed in range(args.trainers)]
         for trainer in trainers:  # connections, schemas and prefix caches, at zero latency
             trainer.step()
-        for latency in latencies:
-            swarm.set_latency(latency)
-            step_latency = 4 * args.layers * latency  # two hops per call, forward + backward
-            results.append(
-                run_phase(
-                    [lambda d, out, t=t: t.run_until(d, out) for t in trainers],
-                    warmup=args.warmup + step_latency,
-                    measure=max(args.measure, 3 * step_latency),
-                )
-            )
-            print(
-                f"  DMoE      {latency * 1e3:5.0f} ms/hop: {results[-1]:8.1f} samples/s", flush=True
-            )
+        workers = [trainer.run for trainer in trainers]
+        results = sweep(
+            swarm, workers, latencies, 4 * args.layers, args.trainers * args.batch, args, "DMoE"
+        )
     return results
 
 
-def run_phase(workers: list, warmup: float, measure: float) -> float:
-    """Run every ``worker(deadline, done)`` in its own thread until the end of the window;
-    samples/s of the completions inside the window (after the warm-up)."""
-    start = time.perf_counter()
-    window = (start + warmup, start + warmup + measure)
-    done: list[tuple[float, int]] = []
-    threads = [threading.Thread(target=w, args=(window[1], done), daemon=True) for w in workers]
+def sweep(
+    swarm: SimSwarm,
+    workers: list,
+    latencies: list[float],
+    hops: int,
+    in_flight: int,
+    args: argparse.Namespace,
+    name: str,
+) -> list[float]:
+    """Run every ``worker(stop, done)`` in its own thread, without pause, while the link
+    latency steps through ``latencies``; for each, samples/s completed in a window that
+    opens once the new latency has settled (one step's worth of time after the change).
+
+    ``hops`` is the number of one-way trips a step of one worker makes, ``in_flight`` the
+    samples all workers have in flight together: a step then lasts about ``hops x
+    latency`` or ``in_flight / throughput``, whichever is longer."""
+    stop, done = threading.Event(), []
+    threads = [threading.Thread(target=w, args=(stop, done), daemon=True) for w in workers]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
-    samples = sum(n for t, n in done if window[0] <= t <= window[1])
-    return samples / measure
+    results: list[float] = []
+    step = args.measure / 2  # seconds a step took at the previous latency (a guess at first)
+    try:
+        for latency in latencies:
+            swarm.set_latency(latency)
+            step = max(step, hops * latency)
+            time.sleep(args.warmup + step)
+            count, started = len(done), time.perf_counter()
+            time.sleep(max(args.measure, 3 * step))
+            window = [n for t, n in done[count:] if t >= started]
+            rate = sum(window) / (time.perf_counter() - started)
+            results.append(rate)
+            step = max(hops * latency, in_flight / rate if rate else args.measure)
+            print(f"  {name:9} {latency * 1e3:5.0f} ms/hop: {rate:8.1f} samples/s", flush=True)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    return results
 
 
 # ---------------------------------------------------------------------- model parallel
@@ -217,7 +241,8 @@ class Stage:
 
 
 def measure_pipeline(args: argparse.Namespace, latencies: list[float], micros: int) -> list[float]:
-    results = []
+    """Samples/s of a pipeline whose batches are ``micros`` micro-batches of ``--batch``."""
+    batch_size = micros * args.batch
     with SimSwarm(seed=2) as swarm:
         driver = swarm.node()
         nodes = [swarm.node() for _ in range(args.layers)]
@@ -232,7 +257,7 @@ def measure_pipeline(args: argparse.Namespace, latencies: list[float], micros: i
 
         async def one_batch() -> int:
             batch = next(counter)
-            x = torch.randn(args.batch, args.hidden, generator=generator)
+            x = torch.randn(batch_size, args.hidden, generator=generator)
             await asyncio.gather(
                 *(
                     driver.peer.call(
@@ -248,33 +273,20 @@ def measure_pipeline(args: argparse.Namespace, latencies: list[float], micros: i
                     for m, part in enumerate(x.chunk(micros))
                 )
             )
-            return args.batch
+            return batch_size
 
-        def run_until(deadline: float, done: list) -> None:
+        def run(stop: threading.Event, done: list) -> None:
             async def loop() -> None:
-                while time.perf_counter() < deadline:
+                while not stop.is_set():
                     samples = await one_batch()
                     done.append((time.perf_counter(), samples))
 
             run_coroutine(loop())
 
         run_coroutine(one_batch())  # connections, at zero latency
+        name = "naive MP" if micros == 1 else f"GPipe x{micros}"
         try:
-            for latency in latencies:
-                swarm.set_latency(latency)
-                batch_latency = 2 * args.layers * latency
-                results.append(
-                    run_phase(
-                        [run_until],
-                        warmup=args.warmup + batch_latency,
-                        measure=max(args.measure, 3 * batch_latency),
-                    )
-                )
-                name = "naive MP" if micros == 1 else f"GPipe x{micros}"
-                print(
-                    f"  {name:9} {latency * 1e3:5.0f} ms/hop: {results[-1]:8.1f} samples/s",
-                    flush=True,
-                )
+            results = sweep(swarm, [run], latencies, 2 * args.layers, batch_size, args, name)
         finally:
             for stage in stages:
                 stage.close()
@@ -352,7 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"{args.layers} layers of ffn (hidden {args.hidden}), {args.experts} experts/layer on "
         f"{args.servers} servers, k={args.k}, {args.trainers} trainers x batch {args.batch}; "
-        f"pipelines: {args.layers} stages, batch {args.batch}",
+        f"pipelines: {args.layers} stages, batch {args.batch} (naive) and "
+        f"{args.microbatches} x {args.batch} (GPipe)",
         flush=True,
     )
     started = time.perf_counter()
