@@ -141,8 +141,10 @@ def test_a_port_in_use_is_refused_naming_it_and_shutdown_frees_the_port(bootstra
         assert monitor._poller is None
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
-        with socket.socket() as again:  # the port is free again
+        with socket.socket() as again:  # no listener left (TIME_WAIT needs SO_REUSEADDR)
+            again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             again.bind(("127.0.0.1", port))
+            again.listen()
     finally:
         watcher.shutdown()
 
@@ -315,3 +317,35 @@ def test_cli_json_prints_one_snapshot_with_the_run(swarm):
     (run,) = snapshot["runs"]
     assert run["run_id"] == "test_run"
     assert sorted(p["peer_id"] for p in run["peers"]) == peer_ids
+
+
+def test_an_expert_server_appears_with_its_experts(bootstrap):
+    address = str(bootstrap.get_visible_maddrs()[0])
+    server = subprocess.Popen(
+        [sys.executable, "-m", "swarmgrad.cli.main", "server", "--expert-cls", "ffn",
+         "--hidden-dim", "8", "--num-experts", "3", "--expert-pattern", "expert.[0:3]",
+         "--initial-peers", address, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+         "--metrics-period", "0.5", "--metrics-run-id", "moe", "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    watcher = _join(bootstrap, client_mode=True)
+    monitor = Monitor(watcher, port=0, poll_interval=0.3)
+    try:
+        wait_until(lambda: monitor.snapshot()["expert_servers"], 60, "the expert server")
+        (entry,) = _snapshot(monitor)["expert_servers"]
+        assert entry["run_id"] == "moe" and entry["role"] == "server"
+        assert entry["num_experts"] == 3
+        assert sorted(entry["experts"]) == ["expert.0", "expert.1", "expert.2"]
+        (experts,) = _families(monitor)["swarmgrad_peer_experts"].samples
+        assert experts.value == 3 and experts.labels["role"] == "server"
+        server.terminate()  # says goodbye: its record is withdrawn
+        assert server.wait(30) == 0, server.stderr.read()
+        wait_until(lambda: not monitor.snapshot()["expert_servers"], 30, "the server's goodbye")
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        server.stderr.close()
+        monitor.shutdown()
+        watcher.shutdown()

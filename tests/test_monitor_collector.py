@@ -220,3 +220,18 @@ def test_a_bad_record_read_at_every_poll_is_counted_once():
     worse = _found({alice_key: {"loss": "lower"}})  # a new bad record: counted
     view.update_run("run", parse_progress(None), parse_metrics(worse), 6.0)
     assert view.snapshot(6.0)["rejected"]["malformed"] == 2
+
+
+def test_a_peer_whose_record_vanished_is_dropped_after_two_polls_without_it():
+    """The DHT hides a goodbye (a deleted subkey) and an expired record alike."""
+    alice, alice_key = _identity_and_subkey()
+    bob, bob_key = _identity_and_subkey()
+    view = SwarmView()
+    both = _found({alice_key: _metrics(alice, 1.0), bob_key: _metrics(bob, 1.0)})
+    only_alice = _found({alice_key: _metrics(alice, 2.0)})
+    view.update_run("run", parse_progress(None), parse_metrics(both), 1.0)
+    view.update_run("run", parse_progress(None), parse_metrics(only_alice), 2.0)
+    assert view.snapshot(2.0)["runs"][0]["num_peers"] == 2  # one missed read is no departure
+    view.update_run("run", parse_progress(None), parse_metrics(only_alice), 3.0)
+    (peer,) = view.snapshot(3.0)["runs"][0]["peers"]
+    assert peer["peer_id"] == str(alice.peer_id)

@@ -30,6 +30,7 @@ import logging
 import signal
 import sys
 import threading
+from functools import partial
 from typing import Any
 
 from swarmgrad.cli.config_file import config_tokens, load_config
@@ -63,6 +64,8 @@ DEFAULTS: dict[str, Any] = {
     "checkpoint_interval": None,
     "keep_checkpoints": 5,
     "stats_report_interval": 30.0,
+    "metrics_run_id": "experts",
+    "metrics_period": 10.0,
     "custom_module_path": None,
     "update_period": 30.0,
     "expiration": None,
@@ -145,6 +148,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     option("expiration", type=float, help="lifetime of a declaration (default 2 x period, >= 60)")
     group = parser.add_argument_group("misc")
     option("stats-report-interval", type=float, help="seconds between status log lines")
+    option("metrics-run-id", help="run under which swarmgrad monitor lists this server")
+    option(
+        "metrics-period",
+        type=float,
+        help="seconds between metrics records for the monitor (0: none)",
+    )
     option("num-handlers", type=int, help="accepted for hivemind compatibility; unused")
     option("increase-file-limit", action="store_true", help="hivemind compatibility; unused")
     option("log-level", help="DEBUG, INFO, WARNING, ...")
@@ -230,6 +239,11 @@ def check_settings(settings: dict[str, Any]) -> None:
         settings["num_experts"] is None or settings["expert_pattern"] is None
     ):
         raise ValueError("give --expert-uids, or --num-experts together with --expert-pattern")
+    if settings["metrics_period"] < 0:
+        raise ValueError(f"--metrics-period must be 0 or more, got {settings['metrics_period']}")
+    run_id = settings["metrics_run_id"]
+    if not isinstance(run_id, str) or not 0 < len(run_id) <= 128:
+        raise ValueError(f"--metrics-run-id must have 1 to 128 characters, got {run_id!r}")
 
 
 def _usage_error(message: str) -> int:
@@ -239,6 +253,7 @@ def _usage_error(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from swarmgrad.moe.server import Server
+    from swarmgrad.optim.metrics import MetricsPublisher
     from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
     try:  # everything checkable up front, before touching signals or logging
@@ -258,7 +273,15 @@ def run(args: argparse.Namespace) -> int:
     except (SwarmgradError, OSError, ValueError, RuntimeError) as e:
         print(f"swarmgrad server: could not start: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    publisher = None
     try:
+        if settings["metrics_period"] > 0:
+            publisher = MetricsPublisher(
+                server.dht,
+                settings["metrics_run_id"],
+                partial(expert_server_metrics, server),
+                period=settings["metrics_period"],
+            )
         uids = list(server.module_backends)
         print(
             f"Serving {len(uids)} {settings['expert_cls']} experts "
@@ -275,8 +298,22 @@ def run(args: argparse.Namespace) -> int:
             _log_status(server)
     finally:
         print("Shutting down", flush=True)
+        if publisher is not None:
+            publisher.shutdown()
         server.shutdown()
     return EXIT_OK
+
+
+def expert_server_metrics(server: Any) -> dict[str, Any]:
+    """The fields of an expert server's metrics record (for swarmgrad monitor)."""
+    backends = list(server.module_backends.values())
+    return {
+        "role": "server",
+        "experts": list(server.module_backends),
+        "expert_batches": sum(
+            b.forward_pool.stats.batches + b.backward_pool.stats.batches for b in backends
+        ),
+    }
 
 
 def _log_status(server: Any) -> None:

@@ -171,6 +171,7 @@ class _Peer:
     metrics: PeerMetrics | None = None
     seen_at: float = 0.0
     loss_history: deque = field(default_factory=deque)  # (time, loss)
+    absent: dict[str, int] = field(default_factory=lambda: {"progress": 0, "metrics": 0})
 
 
 class _Run:
@@ -184,15 +185,16 @@ class _Run:
 class SwarmView:
     """Runs, their peers and their history, as the monitor saw them (module docstring).
 
-    ``history``: points kept per run and per peer (one per poll); ``forget_after``:
-    seconds after which a peer that published nothing new is dropped from the table.
+    ``history``: points kept per run and per peer (one per poll); ``absent_polls``: a
+    record missing from this many polls in a row is dropped (a peer's goodbye, or its
+    record expired; the DHT hides both, and one missed read is not a departure).
     """
 
-    def __init__(self, *, history: int = 720, forget_after: float = 120.0):
+    def __init__(self, *, history: int = 720, absent_polls: int = 2):
         if history < 2:
             raise ValueError(f"history must keep at least 2 points, got {history}")
         self.history = history
-        self.forget_after = forget_after
+        self.absent_polls = absent_polls
         self.runs: dict[str, _Run] = {}
         self.rejected: Counter = Counter()
         self._refused_seen: set[bytes] = set()
@@ -222,15 +224,15 @@ class SwarmView:
             if len(self.runs) >= MAX_RUNS:
                 return
             run = self.runs[run_id] = _Run(run_id, self.history)
-        for subkey in progress.goodbyes | metrics.goodbyes:
-            peer = run.peers.get(subkey)
-            if peer is not None:
-                if subkey in progress.goodbyes:
-                    peer.progress = None
-                if subkey in metrics.goodbyes:
-                    peer.metrics = None
-        for source, attribute in ((progress.records, "progress"), (metrics.records, "metrics")):
-            for subkey, record in source.items():
+        for parsed, attribute in ((progress, "progress"), (metrics, "metrics")):
+            for subkey, peer in run.peers.items():
+                if subkey in parsed.goodbyes:
+                    setattr(peer, attribute, None)
+                elif subkey not in parsed.records and getattr(peer, attribute) is not None:
+                    peer.absent[attribute] += 1
+                    if peer.absent[attribute] >= self.absent_polls:
+                        setattr(peer, attribute, None)
+            for subkey, record in parsed.records.items():
                 peer = run.peers.get(subkey)
                 if peer is None:
                     if len(run.peers) >= MAX_PEERS_PER_RUN:
@@ -241,14 +243,14 @@ class SwarmView:
                     )
                 previous = getattr(peer, attribute)
                 setattr(peer, attribute, record)
+                peer.absent[attribute] = 0
                 if previous is None or record.time != previous.time:
                     peer.seen_at = now
                 if attribute == "metrics" and record.loss is not None:
                     if not peer.loss_history or peer.loss_history[-1][0] != record.time:
                         peer.loss_history.append((record.time, record.loss))
         for subkey, peer in list(run.peers.items()):
-            gone = peer.progress is None and peer.metrics is None
-            if gone or now - peer.seen_at > self.forget_after:
+            if peer.progress is None and peer.metrics is None:
                 del run.peers[subkey]
         run.history.append(self._aggregate(run, now))
 
