@@ -271,6 +271,7 @@ def test_headless_browser_shows_the_peers_and_a_loss_curve(swarm):
     assert points is not None and int(points.group(1)) >= 2, dom[-3000:]
     assert dom.count('class="series peer-loss"') == 2
     assert '<span class="empty">no run seen yet</span>' not in dom
+    assert re.search(r'<body[^>]* data-rendered-ms="[0-9.]+"', dom)
     assert 'data-run="test_run"' in dom
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pydantic
@@ -18,6 +19,7 @@ from swarmgrad.monitor.collector import (
     parse_progress,
     parse_run_directory,
 )
+from swarmgrad.monitor.page import render_page
 from swarmgrad.monitor.prometheus import render_metrics
 from swarmgrad.net.identity import Identity
 from swarmgrad.optim.metrics import (
@@ -235,3 +237,14 @@ def test_a_peer_whose_record_vanished_is_dropped_after_two_polls_without_it():
     view.update_run("run", parse_progress(None), parse_metrics(only_alice), 3.0)
     (peer,) = view.snapshot(3.0)["runs"][0]["peers"]
     assert peer["peer_id"] == str(alice.peer_id)
+
+
+def test_the_page_inlines_the_snapshot_as_inert_json():
+    hostile = {"runs": [{"run_id": '</script><script>alert("x")</script>&'}]}
+    page = render_page(hostile)
+    inline = page.split('<script id="initial-snapshot" type="application/json">', 1)[1]
+    data, rest = inline.split("</script>", 1)
+    assert json.loads(data) == hostile
+    assert "alert" not in rest.split("<script>", 1)[0]
+    assert "__INITIAL_SNAPSHOT__" not in page
+    assert json.loads(render_page(None).split('type="application/json">')[1].split("<")[0]) is None

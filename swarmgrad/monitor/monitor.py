@@ -33,7 +33,7 @@ from swarmgrad.monitor.collector import (
     parse_run_directory,
 )
 from swarmgrad.monitor.http import HTTPServer, PortInUse
-from swarmgrad.monitor.page import DASHBOARD_HTML
+from swarmgrad.monitor.page import render_page
 from swarmgrad.monitor.prometheus import CONTENT_TYPE, render_metrics
 from swarmgrad.optim.metrics import RUNS_KEY, metrics_key
 from swarmgrad.utils.errors import ValidationError
@@ -190,7 +190,7 @@ class Monitor:
     # ------------------------------------------------------------------ pages
 
     def _page(self) -> tuple[int, str, bytes]:
-        return 200, "text/html; charset=utf-8", DASHBOARD_HTML.encode()
+        return 200, "text/html; charset=utf-8", render_page(self.snapshot()).encode()
 
     def _json(self) -> tuple[int, str, bytes]:
         body = json.dumps(self.snapshot(), allow_nan=False, default=str).encode()
