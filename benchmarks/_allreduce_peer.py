@@ -255,6 +255,7 @@ def links_worker(rank: int, world: int, conn, options: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from swarmgrad.averaging.allreduce import AllReduceRunner
+    from swarmgrad.averaging.deadlines import AdaptiveTimeouts
     from swarmgrad.compression import (
         Float16Compression,
         NoCompression,
@@ -299,11 +300,13 @@ def links_worker(rank: int, world: int, conn, options: dict[str, Any]) -> None:
                     [tensor],
                     peer_fractions=order.get("fractions"),
                     part_size_bytes=options.get("part_size_bytes", 2 * 1024 * 1024),
+                    timeouts=AdaptiveTimeouts(min_timeout=order.get("min_timeout", 5.0)),
                     compression=codecs[order["codec"]](),
                     timeout=options.get("timeout", 300.0),
                 )
                 result = run_coroutine(runner.run())
                 report["fully_averaged"] = result.fully_averaged
+                report["excluded"] = len(result.excluded_senders) + len(result.failed_reducers)
             report["elapsed"] = time.perf_counter() - started
             report["cpu"] = time.process_time() - cpu
             if expected is None and order["op"] == "gloo":
