@@ -98,6 +98,8 @@ def test_bad_parameters_and_inputs_are_refused_by_name():
         (lambda: CenteredClip(n_iters=0), "n_iters must be a positive int"),
         (lambda: CenteredClip(max_weight_ratio=0.5), "max_weight_ratio must be a number >= 1"),
         (lambda: TrimmedMean(trim=-1), "trim must be an int >= 0"),
+        (lambda: CenteredClip(min_inputs=0), "min_inputs must be an int >= 1"),
+        (lambda: TrimmedMean(min_inputs=2.5), "min_inputs must be an int >= 1"),
     ):
         with pytest.raises(ValidationError, match=reason):
             make()
@@ -109,6 +111,7 @@ def test_bad_parameters_and_inputs_are_refused_by_name():
     with pytest.raises(ValidationError, match="weights must be finite"):
         rule.aggregate(torch.zeros(2, 2), torch.tensor([1.0, -1.0]))
     assert CenteredClip(tau=1.0).tag != CenteredClip(tau=2.0).tag != TrimmedMean().tag
+    assert CenteredClip(min_inputs=3).tag != CenteredClip().tag  # members agree on the quorum
 
 
 # ---------------------------------------------------------------------- the reducer
@@ -136,6 +139,35 @@ def test_the_reducer_applies_the_rule_per_part_and_counts_who_was_limited(arun):
         assert first.tolist() == [1.5] * 4  # 0 and 1e6 cut, mean of 1 and 2
         assert second.dtype == torch.float16 and second.tolist() == [1.0, 1.0]
         assert reducer.limited[3] == 1 and reducer.contributions == [2, 2, 2, 1]
+
+    arun(main)
+
+
+def test_a_part_thinned_below_min_inputs_is_not_aggregated(arun):
+    """Two liars among five senders: if two honest senders are excluded, the liars are a
+    majority of what is left and CenteredClip would follow them; with min_inputs=5 the
+    part is left unaggregated (None: every member keeps its own values) instead."""
+
+    async def main():
+        rule = CenteredClip(tau=0.1, min_inputs=5)
+        reducer = RobustPartReducer([(3, torch.float32), (3, torch.float32)], 5, rule)
+        liars, honest = torch.full((3,), 100.0), torch.ones(3)
+        for sender in range(5):  # part 0 from everyone
+            reducer.accumulate_part(sender, 0, liars if sender >= 3 else honest)
+        for sender in (0, 3, 4):  # part 1: two honest senders stall and are excluded
+            reducer.accumulate_part(sender, 1, liars if sender >= 3 else honest)
+        reducer.on_sender_failed(1)
+        reducer.on_sender_failed(2)
+        await reducer.wait_all()
+        first, second = (reducer.part_future(k).result() for k in range(2))
+        assert float((first - honest).norm()) < 1.0  # 3 honest of 5: clipped liars
+        assert second is None and reducer.short_parts == 1
+        # without the quorum the thinned part follows the liars
+        loose = RobustPartReducer([(3, torch.float32)], 3, CenteredClip(tau=0.1))
+        for sender, values in enumerate((honest, liars, liars)):
+            loose.accumulate_part(sender, 0, values)
+        await loose.wait_all()
+        assert float((loose.part_future(0).result() - liars).norm()) < 1.0
 
     arun(main)
 

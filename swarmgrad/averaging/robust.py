@@ -50,12 +50,22 @@ def cap_weights(weights: torch.Tensor, max_weight_ratio: float) -> torch.Tensor:
 class AggregationRule:
     """Base: ``aggregate(inputs, weights)`` with inputs of shape ``[n, d]`` (float32 or
     float64) and weights ``[n]``; returns the ``[d]`` result and, per input, whether the
-    rule limited its influence (clipped or trimmed in most coordinates)."""
+    rule limited its influence (clipped or trimmed in most coordinates).
+
+    ``min_inputs``: an owner aggregates a part only when at least this many senders
+    delivered it, else the span stays local for everyone this round. No rule survives a
+    dishonest majority, and a group thinned by exclusions (slow or dead honest peers) can
+    have lost its honest majority; to tolerate ``f`` liars use ``min_inputs = 2 f + 1``
+    and a ``min_group_size`` of at least that."""
 
     max_weight_ratio: float = 3.0
     check_factor: float = 4.0
+    min_inputs: int = 1
 
     def __post_init__(self) -> None:
+        count = self.min_inputs
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValidationError(f"min_inputs must be an int >= 1, got {count!r}")
         ratio = self.max_weight_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio >= 1:
             raise ValidationError(f"max_weight_ratio must be a number >= 1, got {ratio!r}")
@@ -70,6 +80,10 @@ class AggregationRule:
         a reducer that scales or replaces the result by something large fails it, a
         subtle shift does not (docs/security.md)."""
         return self.check_factor * own_norm + 1e-6
+
+    @property
+    def _quorum_tag(self) -> str:
+        return f",min_inputs={self.min_inputs}" if self.min_inputs != 1 else ""
 
     @property
     def tag(self) -> str:
@@ -119,7 +133,10 @@ class CenteredClip(AggregationRule):
 
     @property
     def tag(self) -> str:
-        return f"centered_clip(tau={self.tau!r},iters={self.n_iters},cap={self.max_weight_ratio!r})"
+        return (
+            f"centered_clip(tau={self.tau!r},iters={self.n_iters},cap={self.max_weight_ratio!r}"
+            f"{self._quorum_tag})"
+        )
 
     def max_result_distance(self, own_norm: float) -> float:
         return self.check_factor * (own_norm + self.tau)
@@ -157,7 +174,7 @@ class TrimmedMean(AggregationRule):
 
     @property
     def tag(self) -> str:
-        return f"trimmed_mean(trim={self.trim})"
+        return f"trimmed_mean(trim={self.trim}{self._quorum_tag})"
 
     def aggregate(
         self, inputs: torch.Tensor, weights: torch.Tensor

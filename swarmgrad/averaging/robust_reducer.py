@@ -8,11 +8,16 @@ the duration of a part). It also counts, per sender, the parts in which the rule
 that sender's influence while most senders were not limited (``limited``): the evidence
 for accountability. When most inputs are clipped, ``tau`` is simply small for this
 data and nobody stands out, so nobody is blamed.
+
+A part that fewer than ``rule.min_inputs`` senders delivered (the others excluded as
+stalled or dead) is not aggregated: its future resolves to None and every member keeps
+its own values for the span, since what is left may no longer hold an honest majority.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +26,8 @@ from swarmgrad.averaging.robust import AggregationRule
 from swarmgrad.utils.errors import ProtocolViolation, ValidationError
 
 __all__ = ["RobustPartReducer"]
+
+logger = logging.getLogger(__name__)
 
 
 class RobustPartReducer:
@@ -42,6 +49,7 @@ class RobustPartReducer:
         self._all_done = loop.create_future()
         self.contributions = [0] * num_senders
         self.limited = [0] * num_senders  # parts in which the rule clipped or trimmed them
+        self.short_parts = 0  # parts left unaggregated: fewer inputs than rule.min_inputs
         for index in range(len(self.part_specs)):
             self._maybe_finish(index)
 
@@ -127,7 +135,14 @@ class RobustPartReducer:
         if future.done() or len(set(inputs) | self._failed) < self.num_senders:
             return
         result = None
-        if inputs:
+        if 0 < len(inputs) < self.rule.min_inputs:
+            self.short_parts += 1
+            logger.info(
+                "robust reducer: part %d not aggregated: %d of %d senders delivered it, the "
+                "rule needs %d (%s); the span stays local",
+                part_index, len(inputs), self.num_senders, self.rule.min_inputs, self.rule.tag,
+            )  # fmt: skip
+        elif inputs:
             senders = sorted(inputs)
             stack = torch.stack([inputs[s][0] for s in senders])
             weights = torch.tensor([inputs[s][1] for s in senders], dtype=stack.dtype)
