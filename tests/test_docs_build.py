@@ -48,6 +48,7 @@ API_PAGES = [
     "averaging",
     "optim",
     "compression",
+    "monitor",
     "admission",
     "integrations",
     "errors",
