@@ -309,6 +309,7 @@ def links_worker(rank: int, world: int, conn, options: dict[str, Any]) -> None:
                 report["excluded"] = len(result.excluded_senders) + len(result.failed_reducers)
             report["elapsed"] = time.perf_counter() - started
             report["cpu"] = time.process_time() - cpu
+            dist.barrier()  # the check below must not take CPU from members still averaging
             if expected is None and order["op"] == "gloo":
                 expected = tensor.clone()
             if expected is not None:

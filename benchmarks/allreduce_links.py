@@ -28,7 +28,8 @@ Environment (all optional): ``ARL_PEERS`` (``4,8``), ``ARL_RATES`` (``1gbit,100m
 ``ARL_CODECS`` (``none,float16,uniform_8bit``), ``ARL_MIXED`` (``1``; ``0`` skips the
 mixed rates, ``only`` runs nothing else), ``ARL_REPS`` (3), ``ARL_MIXED_REPS`` (2),
 ``ARL_NUMEL`` (16000000), ``ARL_PART_BYTES`` (the all-reduce's default part size),
-``ARL_SIM`` (``1`` forces the simulated network), ``ARL_MIXED_MIN_TIMEOUT`` (30: the
+``ARL_SIM`` (``1`` forces the simulated network), ``ARL_GLOO`` (``0``: gloo only in
+the first repetition, for profiling ours), ``ARL_MIXED_MIN_TIMEOUT`` (30: the
 shortest wait for a stalled peer in the mixed-rate rounds; with the library's 5 s, a
 20 Mbit/s member's TCP connection, silent for 5 s while it recovers from losses in the
 link's full queue, was excluded from equal-span rounds). Prints a
@@ -223,6 +224,8 @@ def _repeat(group: LabGroup, world: int, rate: str, plan: dict) -> dict:
             order = kinds  # gloo first: every later round is checked against its average
         else:
             order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
+            if not plan["gloo"]:  # profiling ours: gloo only in the first repetition
+                order = [kind for kind in order if kind != "gloo"]
         for kind in order:
             if kind == "gloo":
                 message = {"op": "gloo"}
@@ -489,6 +492,7 @@ def main() -> None:
         "reps": int(os.environ.get("ARL_REPS", "3")),
         "mixed_reps": int(os.environ.get("ARL_MIXED_REPS", "2")),
         "numel": int(os.environ.get("ARL_NUMEL", "16000000")),
+        "gloo": os.environ.get("ARL_GLOO", "1") != "0",
         "mixed_min_timeout": float(os.environ.get("ARL_MIXED_MIN_TIMEOUT", "30")),
         "part_bytes": int(os.environ.get("ARL_PART_BYTES", str(DEFAULT_PART_SIZE_BYTES))),
     }
