@@ -68,6 +68,7 @@ from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.compression.base import CompressionInfo
 from swarmgrad.dht.dht import DHT
+from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, merge_offenders
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
@@ -132,7 +133,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     ``grad_compression`` (pseudo-gradients on the wire), ``error_feedback`` (default:
     when the codec is lossy), ``matchmaking_time``, ``averaging_timeout``,
     ``load_state_timeout``, ``load_state_compression``, ``client_mode`` (default: the
-    DHT's), ``averager_opts``, ``tracker_opts``, ``verbose``.
+    DHT's), ``averager_opts``, ``tracker_opts``, ``verbose``, ``metrics`` (as for
+    :class:`~.optimizer.Optimizer`: this peer's metrics record for ``swarmgrad monitor``;
+    the loss goes in with :meth:`report`).
     """
 
     def __init__(
@@ -159,6 +162,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         averager_opts: dict | None = None,
         tracker_opts: dict | None = None,
         verbose: bool = False,
+        metrics: bool | dict = True,
     ):
         for name, value in (("batch_size", batch_size), ("num_inner_steps", num_inner_steps)):
             _check_positive_int(name, value)
@@ -231,6 +235,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             **(tracker_opts or {}),
         )
         self.fragments: list[_Fragment] = []
+        self.metrics: MetricsPublisher | None = None
         try:
             self.state_averager = TrainingStateAverager(
                 dht=dht,
@@ -261,6 +266,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     **averager_opts,
                 )
                 self.fragments.append(_Fragment(index, members, averager))
+            if metrics:
+                options = dict(metrics) if isinstance(metrics, dict) else {}
+                self.metrics = MetricsPublisher(dht, run_id, self._collect_metrics, **options)
         except BaseException:
             self._shutdown_parts()
             raise
@@ -343,6 +351,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            if self.metrics is not None and is_scalar_loss(loss):
+                self.metrics.report_loss(loss)
         self._apply_finished_fragments(wait=False)
         if self._should_load_state_from_peers():
             logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
@@ -659,6 +669,26 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
 
+    # ------------------------------------------------------------------ metrics
+
+    def report(self, loss: Any = None) -> None:
+        """Tell ``swarmgrad monitor`` this peer's training loss (as
+        :meth:`.optimizer.Optimizer.report`)."""
+        if loss is not None and self.metrics is not None:
+            self.metrics.report_loss(loss)
+
+    def _collect_metrics(self) -> dict[str, Any]:
+        averagers = [self.state_averager, *(f.averager for f in self.fragments)]
+        return {
+            "role": "client" if self.client_mode else "trainer",
+            "client_mode": self.client_mode,
+            "epoch": self.local_epoch,
+            "samples_per_second": float(self.tracker.performance_ema.samples_per_second),
+            "rounds_ok": sum(a.rounds_succeeded for a in averagers),
+            "rounds_failed": sum(a.rounds_failed for a in averagers),
+            "offenders": merge_offenders(*(a.offenders for a in averagers)),
+        }
+
     # ------------------------------------------------------------------ shutting down
 
     def shutdown(self) -> None:
@@ -672,6 +702,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._shutdown_parts()
 
     def _shutdown_parts(self) -> None:
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.shutdown()
         self.tracker.shutdown(timeout=1.0)
         for fragment in self.fragments:
             fragment.averager.shutdown()

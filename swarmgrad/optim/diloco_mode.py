@@ -32,6 +32,7 @@ _SAME_NAME = (
     "averager_opts",
     "tracker_opts",
     "verbose",
+    "metrics",
 )
 # Optimizer arguments that only make sense with gradient or state averaging, with their
 # defaults: a value other than the default is refused.

@@ -142,6 +142,13 @@ def merge_offenders(*sources: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
     return dict(worst[:MAX_OFFENDERS_LISTED])
 
 
+def is_scalar_loss(loss: Any) -> bool:
+    """Whether a closure's result can go in a record (a number or a one-element tensor)."""
+    if hasattr(loss, "numel") and hasattr(loss, "detach"):
+        return loss.numel() == 1
+    return isinstance(loss, int | float) and not isinstance(loss, bool)
+
+
 class MetricsPublisher:
     """Publishes this peer's :class:`PeerMetrics` every ``period`` seconds (module
     docstring).
@@ -197,6 +204,7 @@ class MetricsPublisher:
         self._last_loss: float | None = None
         self.last_record: PeerMetrics | None = None
         self.published = 0
+        self._warned_size = False
         self._stop: asyncio.Event | None = None
         self._task: Any = None
         self._said_goodbye = False
@@ -306,13 +314,21 @@ class MetricsPublisher:
             return
         value = record.model_dump()
         size = len(serialize(value))
-        if size > MAX_METRICS_BYTES:
-            logger.warning(
-                "%s: this peer's metrics record is %d bytes (limit %d): not published",
-                self.run_id,
-                size,
-                MAX_METRICS_BYTES,
-            )
+        if size > MAX_METRICS_BYTES:  # long expert uids: the list goes, the count stays
+            record = record.model_copy(update={"experts": []})
+            value = record.model_dump()
+            if not self._warned_size:
+                self._warned_size = True
+                logger.warning(
+                    "%s: this peer's metrics record is %d bytes (limit %d): publishing it "
+                    "without the list of experts",
+                    self.run_id,
+                    size,
+                    MAX_METRICS_BYTES,
+                )
+            size = len(serialize(value))
+        if size > MAX_METRICS_BYTES:  # cannot happen with the schema's bounds; be sure
+            logger.warning("%s: a metrics record of %d bytes is not published", self.run_id, size)
             return
         expiration = record.time + self.expiration
         try:

@@ -57,7 +57,7 @@ from swarmgrad.dht.dht import DHT
 from swarmgrad.optim.diloco_mode import diloco_from_optimizer_arguments
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
-from swarmgrad.optim.metrics import MetricsPublisher, merge_offenders
+from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, merge_offenders
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.optim.progress import LocalTrainingProgress
@@ -471,7 +471,7 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            if self.metrics is not None and _is_scalar(loss):
+            if self.metrics is not None and is_scalar_loss(loss):
                 self.metrics.report_loss(loss)
 
         if not self.auxiliary and (self._missed_round or self._should_load_state_from_peers()):
@@ -992,13 +992,6 @@ class Optimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(run_id={self.run_id!r}, epoch={self.local_epoch})"
-
-
-def _is_scalar(loss: Any) -> bool:
-    """A loss a closure returned that can go in the metrics (a number, a 1-element tensor)."""
-    if isinstance(loss, torch.Tensor):
-        return loss.numel() == 1
-    return isinstance(loss, int | float) and not isinstance(loss, bool)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
