@@ -4,6 +4,7 @@ a port in use, clean shutdown, and a small swarm of Optimizer peers watched thro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -136,9 +138,20 @@ def test_a_port_in_use_is_refused_naming_it_and_shutdown_frees_the_port(bootstra
         monitor = Monitor(watcher, port=port, poll_interval=0.2)
         monitor.wait_for_first_poll()
         assert _get(monitor.url)[0] == 200
+        # a client that connects and says nothing holds a handler until its deadline
+        # (10 s); shutting down must not wait for it, nor leave it behind
+        idle = socket.create_connection(("127.0.0.1", port), timeout=5)
+        wait_until(lambda: len(monitor._http._handlers) == 1, 10, "the idle connection")
+        running = run_coroutine(_monitor_tasks(), timeout=10)
+        assert "Monitor._poll_forever" in running and "HTTPServer._serve" in running
+        began = time.monotonic()
         monitor.shutdown()
+        assert time.monotonic() - began < 5
         monitor.shutdown()  # idempotent
-        assert monitor._poller is None
+        assert idle.recv(1) == b""  # closed by the monitor
+        idle.close()
+        assert monitor._poller is None and not monitor._http._handlers
+        assert not run_coroutine(_monitor_tasks(), timeout=10)
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
         with socket.socket() as again:  # no listener left (TIME_WAIT needs SO_REUSEADDR)
@@ -147,6 +160,16 @@ def test_a_port_in_use_is_refused_naming_it_and_shutdown_frees_the_port(bootstra
             again.listen()
     finally:
         watcher.shutdown()
+
+
+async def _monitor_tasks() -> list[str]:
+    """Tasks on swarmgrad's loop that belong to a monitor or its HTTP server."""
+    names = []
+    for task in asyncio.all_tasks():
+        name = getattr(task.get_coro(), "__qualname__", "")
+        if name.startswith(("Monitor.", "HTTPServer.")) and not task.done():
+            names.append(name)
+    return names
 
 
 def test_cli_port_in_use_exits_2_with_a_clear_message_and_no_traceback(bootstrap):
