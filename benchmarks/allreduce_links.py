@@ -92,6 +92,7 @@ class LabGroup:
     """``world`` worker processes on hosts 0..world-1 of a StarLab, driven over pipes."""
 
     def __init__(self, lab: StarLab, world: int, numel: int, part_bytes: int, log_dir: Path | None):
+        self.lab = lab
         self.world = world
         self.procs: list[subprocess.Popen] = []
         env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0")
@@ -159,9 +160,12 @@ class LabGroup:
         return results
 
     def round(self, order: dict, timeout: float) -> dict:
+        before = [self.lab.tx_bytes(host) for host in range(self.world)]
         self._send_all(order)
         reports = self._gather(timeout)
+        sent = [self.lab.tx_bytes(host) - b for host, b in enumerate(before)]
         return {
+            "sent_mb": statistics.mean(sent) / 1e6,
             "elapsed": max(r["elapsed"] for r in reports),
             "cpu": sum(r["cpu"] for r in reports),
             "max_error": max(r.get("max_error", 0.0) for r in reports),
@@ -242,6 +246,7 @@ def _summarize(rounds: dict[str, list[dict]], world: int, nbytes: int, rate: str
             "median_s": round(statistics.median(v["elapsed"] for v in values), 3),
             "rounds_s": [round(v["elapsed"], 3) for v in values],
             "cpu_s": round(statistics.median(v["cpu"] for v in values), 2),
+            "sent_mb_per_peer": round(statistics.median(v.get("sent_mb", 0.0) for v in values), 1),
             "max_error": max(v["max_error"] for v in values),
             "fully_averaged": all(v["fully_averaged"] for v in values),
             "exclusions": sum(v.get("exclusions", 0) for v in values),
