@@ -41,6 +41,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -123,7 +124,7 @@ class Trainer:
             done.append((time.perf_counter(), self.batch))
 
 
-def measure_dmoe(args: argparse.Namespace, latencies: list[float]) -> list[float]:
+def measure_dmoe(args: argparse.Namespace, latencies: list[float]) -> tuple[list, list]:
     with SimSwarm(seed=1) as swarm:
         # trainers join first: the servers' declarations then land on the nodes nearest to
         # each key in the whole swarm (records stored before 40 more nodes join can end up
@@ -134,10 +135,9 @@ def measure_dmoe(args: argparse.Namespace, latencies: list[float]) -> list[float
         for trainer in trainers:  # connections, schemas and prefix caches, at zero latency
             trainer.step()
         workers = [trainer.run for trainer in trainers]
-        results = sweep(
+        return sweep(
             swarm, workers, latencies, 4 * args.layers, args.trainers * args.batch, args, "DMoE"
         )
-    return results
 
 
 def sweep(
@@ -148,10 +148,13 @@ def sweep(
     in_flight: int,
     args: argparse.Namespace,
     name: str,
-) -> list[float]:
+) -> tuple[list[float], list[float]]:
     """Run every ``worker(stop, done)`` in its own thread, without pause, while the link
-    latency steps through ``latencies``; for each, samples/s completed in a window that
-    opens once the new latency has settled (one step's worth of time after the change).
+    latency steps through ``latencies`` (``--passes`` times, every other pass in reverse
+    order, so that a drift in the machine's load does not read as a trend); for each
+    latency, the median over passes of the samples/s completed in a window that opens
+    once the new latency has settled (one step's worth of time after the change), and
+    the median share of a core this process got during those windows.
 
     ``hops`` is the number of one-way trips a step of one worker makes, ``in_flight`` the
     samples all workers have in flight together: a step then lasts about ``hops x
@@ -160,25 +163,35 @@ def sweep(
     threads = [threading.Thread(target=w, args=(stop, done), daemon=True) for w in workers]
     for thread in threads:
         thread.start()
-    results: list[float] = []
+    rates: dict[float, list[float]] = {latency: [] for latency in latencies}
+    shares: dict[float, list[float]] = {latency: [] for latency in latencies}
     step = args.measure / 2  # seconds a step took at the previous latency (a guess at first)
     try:
-        for latency in latencies:
-            swarm.set_latency(latency)
-            step = max(step, hops * latency)
-            time.sleep(args.warmup + step)
-            count, started = len(done), time.perf_counter()
-            time.sleep(max(args.measure, 3 * step))
-            window = [n for t, n in done[count:] if t >= started]
-            rate = sum(window) / (time.perf_counter() - started)
-            results.append(rate)
-            step = max(hops * latency, in_flight / rate if rate else args.measure)
-            print(f"  {name:9} {latency * 1e3:5.0f} ms/hop: {rate:8.1f} samples/s", flush=True)
+        for p in range(args.passes):
+            for latency in latencies if p % 2 == 0 else latencies[::-1]:
+                swarm.set_latency(latency)
+                step = max(step, hops * latency)
+                time.sleep(args.warmup + step)
+                count, started, cpu = len(done), time.perf_counter(), time.process_time()
+                time.sleep(max(args.measure, 2 * step))
+                elapsed = time.perf_counter() - started
+                rate = sum(n for t, n in done[count:] if t >= started) / elapsed
+                rates[latency].append(rate)
+                shares[latency].append((time.process_time() - cpu) / elapsed)
+                step = max(hops * latency, in_flight / rate if rate else args.measure)
+                print(
+                    f"  {name:9} {latency * 1e3:5.0f} ms/hop: {rate:8.1f} samples/s "
+                    f"(this process: {shares[latency][-1]:.2f} cores)",
+                    flush=True,
+                )
     finally:
         stop.set()
         for thread in threads:
             thread.join()
-    return results
+    return (
+        [statistics.median(rates[latency]) for latency in latencies],
+        [statistics.median(shares[latency]) for latency in latencies],
+    )
 
 
 # ---------------------------------------------------------------------- model parallel
@@ -240,7 +253,7 @@ class Stage:
         self.executor.shutdown()
 
 
-def measure_pipeline(args: argparse.Namespace, latencies: list[float], micros: int) -> list[float]:
+def measure_pipeline(args: argparse.Namespace, latencies: list[float], micros: int) -> tuple:
     """Samples/s of a pipeline whose batches are ``micros`` micro-batches of ``--batch``."""
     batch_size = micros * args.batch
     with SimSwarm(seed=2) as swarm:
@@ -334,6 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--microbatches", type=int)
     parser.add_argument("--latencies-ms", type=str)
+    parser.add_argument("--passes", type=int, help="sweeps over the latencies (median)")
     parser.add_argument("--measure", type=float, help="seconds of the measurement window (min)")
     parser.add_argument(
         "--warmup", type=float, help="seconds of warm-up besides one step's latency"
@@ -342,12 +356,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     defaults = dict(
         layers=4, hidden=512, experts=4, k=2, servers=4, trainers=48, batch=32,
-        microbatches=4, latencies_ms="0,10,50,100,200", measure=10.0, warmup=2.0,
+        microbatches=4, latencies_ms="0,10,50,100,200", passes=2, measure=6.0, warmup=2.0,
     )  # fmt: skip
     if args.small:
         defaults.update(
             layers=2, hidden=64, experts=2, k=1, servers=2, trainers=4, batch=8,
-            microbatches=2, latencies_ms="0,20", measure=1.0, warmup=0.3,
+            microbatches=2, latencies_ms="0,20", passes=1, measure=1.0, warmup=0.3,
         )  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -369,12 +383,19 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     started = time.perf_counter()
-    dmoe = measure_dmoe(args, latencies)
-    naive = measure_pipeline(args, latencies, 1)
-    gpipe = measure_pipeline(args, latencies, args.microbatches)
-    print(f"\n{'latency/hop':>12} {'DMoE':>10} {'naive MP':>10} {'GPipe':>10}   samples/s")
-    for ms, d, n, g in zip(latencies_ms, dmoe, naive, gpipe, strict=True):
-        print(f"{ms:9.0f} ms {d:10.1f} {n:10.1f} {g:10.1f}")
+    (dmoe, dmoe_cpu) = measure_dmoe(args, latencies)
+    (naive, naive_cpu) = measure_pipeline(args, latencies, 1)
+    (gpipe, gpipe_cpu) = measure_pipeline(args, latencies, args.microbatches)
+    print(
+        f"\nmedians of {args.passes} passes; samples/s (cores this process got)\n"
+        f"{'latency/hop':>12} {'DMoE':>16} {'naive MP':>16} {'GPipe':>16}"
+    )
+    for i, ms in enumerate(latencies_ms):
+        cells = [
+            f"{v[i]:8.1f} ({c[i]:.2f})"
+            for v, c in ((dmoe, dmoe_cpu), (naive, naive_cpu), (gpipe, gpipe_cpu))
+        ]
+        print(f"{ms:9.0f} ms " + " ".join(f"{c:>16}" for c in cells))
     figures = {
         "latency_ms": latencies_ms,
         "dmoe_samples_per_s": [round(v, 1) for v in dmoe],
@@ -384,6 +405,12 @@ def main(argv: list[str] | None = None) -> dict:
         "naive_mp_retained": round(naive[-1] / naive[0], 3) if naive[0] else 0.0,
         "gpipe_retained": round(gpipe[-1] / gpipe[0], 3) if gpipe[0] else 0.0,
         "dmoe_over_naive_mp_at_max": round(dmoe[-1] / naive[-1], 2) if naive[-1] else None,
+        "cores_used": {
+            "dmoe": [round(v, 2) for v in dmoe_cpu],
+            "naive_mp": [round(v, 2) for v in naive_cpu],
+            "gpipe": [round(v, 2) for v in gpipe_cpu],
+        },
+        "passes": args.passes,
         "config": {
             k: getattr(args, k)
             for k in (

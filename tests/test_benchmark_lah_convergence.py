@@ -48,9 +48,9 @@ def test_small_run_ends_with_accuracy_curves_per_condition(tmp_path):
     for name, summary in conditions.items():
         assert CONDITION_KEYS <= set(summary), name
         assert 0.0 <= summary["final_accuracy_min"] <= summary["final_accuracy_max"] <= 1.0
-        assert [step for step, _ in summary["median_curve"]] == [10, 20], name
+        assert [step for step, _ in summary["median_curve"]] == [10, 20, 30], name
         assert summary["lost_batches"] == 0, name
-    assert conditions["dense"]["final_accuracy_median"] > 0.5  # 20 steps learn something
+    assert conditions["dense"]["final_accuracy_median"] > 0.3  # 30 steps learn something
     assert conditions["dense"]["staleness_median"] == 0
     dmoe, dense = figures["parameters"]["dmoe"], figures["parameters"]["dense"]
     assert abs(dmoe - dense) / dense < 0.02  # equal parameter counts, up to the gates

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 KEYS = {
     "latency_ms", "dmoe_samples_per_s", "naive_mp_samples_per_s", "gpipe_samples_per_s",
     "dmoe_retained", "naive_mp_retained", "gpipe_retained", "dmoe_over_naive_mp_at_max",
-    "config", "seconds",
+    "cores_used", "passes", "config", "seconds",
 }  # fmt: skip
 
 
@@ -35,6 +35,7 @@ def test_small_run_ends_with_throughputs_for_every_latency_and_method(tmp_path):
         values = figures[f"{method}_samples_per_s"]
         assert len(values) == 2 and all(v > 0 for v in values), (method, values)
         assert 0 < figures[f"{method}_retained"] < 5
+        assert all(0 <= c <= (os.cpu_count() or 1) + 0.5 for c in figures["cores_used"][method])
     # a 2-stage pipeline pays 4 hops of 20 ms per batch of 8: at most 100 samples/s
     assert figures["naive_mp_samples_per_s"][1] <= 110
     try:
