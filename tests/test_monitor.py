@@ -19,8 +19,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
+from swarmgrad.averaging.averager import DecentralizedAverager
 from swarmgrad.averaging.offenders import OffenceCounts
+from swarmgrad.averaging.robust import CenteredClip
 from swarmgrad.dht import DHT
 from swarmgrad.dht.crypto import Ed25519SignatureValidator
 from swarmgrad.monitor import Monitor, PortInUse
@@ -373,3 +376,58 @@ def test_an_expert_server_appears_with_its_experts(bootstrap):
         server.stderr.close()
         monitor.shutdown()
         watcher.shutdown()
+
+
+def test_a_peer_clipped_by_centered_clip_is_reported_in_the_monitor(bootstrap):
+    """Issue 15's accountability end to end: an attacker's contribution scaled by 1000 is
+    clipped by the honest span owners' CenteredClip, their averagers count it, their
+    metrics records carry it and the monitor lists the attacker as an offender."""
+    dhts = [_join(bootstrap) for _ in range(4)]
+    watcher = _join(bootstrap, client_mode=True)
+    honest = [torch.randn(64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    averagers, publishers, monitor = [], [], None
+    try:
+        for dht, value in zip(dhts, [*honest, honest[0] * 1000], strict=True):
+            averagers.append(
+                DecentralizedAverager(
+                    [value.clone()], dht, prefix="clip", start=True, target_group_size=4,
+                    aggregation=CenteredClip(tau=20.0, n_iters=50),  # above the honest spread
+                    min_matchmaking_time=1.0,
+                )
+            )  # fmt: skip
+        for averager in averagers[:3]:
+            publishers.append(
+                MetricsPublisher(
+                    averager.dht, "clip", lambda a=averager: {"offenders": a.offenders},
+                    period=0.3,
+                )
+            )  # fmt: skip
+        controls = [a.step(timeout=30, wait=False, expected_group_size=4) for a in averagers]
+        assert all(len(control.result(60) or ()) == 4 for control in controls)
+        attacker = str(dhts[3].peer_id)
+        monitor = Monitor(watcher, run_ids=["clip"], port=0, poll_interval=0.3)
+
+        def reported() -> bool:
+            runs = monitor.snapshot()["runs"]
+            offenders = runs[0]["offenders"] if runs else []
+            return any(o["peer_id"] == attacker and o["reported_by"] == 3 for o in offenders)
+
+        wait_until(reported, 30, "the attacker reported by the three honest peers")
+        (entry,) = _snapshot(monitor)["runs"][0]["offenders"]  # nobody else
+        assert entry["peer_id"] == attacker
+        assert entry["clipped_rounds"] == 3 and entry["bad_reductions"] == 0
+        assert entry["banned_by"] == 0  # no ban_after: counted, not banned
+        families = _families(monitor)
+        reporters = {
+            s.labels["peer"]
+            for s in families["swarmgrad_offender_clipped_rounds"].samples
+            if s.labels["offender"] == attacker and s.value == 1
+        }
+        assert reporters == {str(d.peer_id) for d in dhts[:3]}
+    finally:
+        if monitor is not None:
+            monitor.shutdown()
+        for item in publishers + averagers:
+            item.shutdown()
+        for dht in [watcher, *dhts]:
+            dht.shutdown()
