@@ -4,9 +4,13 @@
 
 Eight peers (each with its own DHT node and identity, in one process, over loopback) train
 one MLP (64-32-10) on scikit-learn's handwritten digits with :class:`swarmgrad.Optimizer`
-(SGD lr 0.1 momentum 0.9; an epoch is 16 steps of 32 samples per peer; 60 epochs;
-matchmaking 0.5 s). Two of them attack, in turn, by rewriting their gradients before
-each step:
+(SGD lr 0.3 momentum 0.9; an epoch is 16 steps of 32 samples per peer, 4,096 samples in
+all; 60 epochs; matchmaking 0.5 s). The learning rate is tuned for that batch so that the
+run ends near convergence: at lr 0.1 the 60 epochs ended mid-descent, where any rule that
+slows the descent a little (CenteredClip's bias is a fraction of the honest spread, which
+here is comparable to the gradient itself) showed as 20% more loss, measuring the
+schedule rather than the attack. Two of them attack, in turn, by rewriting their
+gradients before each step:
 
 * ``sign_flip``: send ``-4 g`` (the sign flipped and scaled, so that the flipped pair
   outweighs the six honest peers in a plain mean);
@@ -16,9 +20,14 @@ each step:
   ``mean - 1.5 std`` of their own two gradients, coordinate by coordinate: a small
   coordinated shift that stays inside the spread of honest gradients.
 
-Each attack is run with plain averaging and with ``CenteredClip(tau=0.02)`` passed through
-``averager_opts={"aggregation": ...}``; the figure is the held-out cross-entropy of an
-honest peer's model at the end, against an attack-free run of each rule. The robust rule's
+Each attack is run with plain averaging and with ``CenteredClip(tau=0.02, min_inputs=5)``
+passed through ``averager_opts={"aggregation": ...}``, groups of at least 5 in both
+(``min_group_size``: to tolerate 2 liars a group, and each part an owner reduces, needs
+2 x 2 + 1 members; on a loaded box groups of 3 had formed and held the liars as a
+majority, where no rule helps); the figure is the held-out cross-entropy at the
+end (the median over the six honest peers' models), against an attack-free run of each
+rule. ``BYZ_EPOCHS``, ``BYZ_LR``, ``BYZ_TAU``, ``BYZ_STEPS`` and ``BYZ_ATTACKS`` (comma
+separated) change the setting for experiments. The robust rule's
 cost is its median time per epoch against plain averaging's, both attack-free.
 ``admission_overhead`` comes from ``benchmarks/admission.py`` (one run). Last line: one
 JSON object.
@@ -28,6 +37,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import os
 import statistics
 import subprocess
 import sys
@@ -43,10 +54,15 @@ sys.path.insert(0, str(HERE.parent))
 import swarmgrad  # noqa: E402
 from swarmgrad.averaging import CenteredClip  # noqa: E402
 
-PEERS, ATTACKERS, BATCH, EPOCHS = 8, 2, 32, 60
-TAU = 0.02  # per part; honest per-span gradient norms here are about 0.15
-STEPS_PER_EPOCH = 16  # each peer averages 16 x 32 samples: less noise for liars to hide in
-ATTACKS = ("sign_flip", "scaled", "noise", "alie")
+PEERS, ATTACKERS, BATCH = 8, 2, 32
+QUORUM = 2 * ATTACKERS + 1  # min_group_size and CenteredClip's min_inputs
+EPOCHS = int(os.environ.get("BYZ_EPOCHS", 60))
+LR = float(os.environ.get("BYZ_LR", 0.3))  # tuned for the 4096-sample batch: see docstring
+TAU = float(os.environ.get("BYZ_TAU", 0.02))  # per part; honest per-span gradient norms ~0.15
+# each peer averages STEPS_PER_EPOCH x 32 samples: less noise for liars to hide in
+STEPS_PER_EPOCH = int(os.environ.get("BYZ_STEPS", 16))
+ALL_ATTACKS = ("sign_flip", "scaled", "noise", "alie")
+ATTACKS = tuple(os.environ.get("BYZ_ATTACKS", ",".join(ALL_ATTACKS)).split(","))
 
 
 def digits():
@@ -109,7 +125,10 @@ def run(attack_kind: str | None, robust: bool) -> dict:
         swarmgrad.DHT(initial_peers=bootstrap.get_visible_maddrs(), start=True)
         for _ in range(PEERS - 1)
     ]
-    opts_extra = {"averager_opts": {"aggregation": CenteredClip(tau=TAU)}} if robust else {}
+    # a group or a part thinned to 4 could hold the 2 liars as a half: both need 5 members
+    averager_opts: dict = {"min_group_size": QUORUM}
+    if robust:
+        averager_opts["aggregation"] = CenteredClip(tau=TAU, min_inputs=QUORUM)
     models = [make_model() for _ in range(PEERS)]
     run_id = f"byz_{attack_kind}_{int(robust)}_{time.monotonic_ns()}"
     opts = [
@@ -118,11 +137,12 @@ def run(attack_kind: str | None, robust: bool) -> dict:
             run_id=run_id,
             target_batch_size=PEERS * BATCH * STEPS_PER_EPOCH,
             batch_size_per_step=BATCH,
-            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9),
             params=model.parameters(),
             matchmaking_time=0.5,
             averaging_timeout=10.0,
-            **opts_extra,
+            next_chunk_timeout=3.0,  # a loaded 2-core box stalls a sender for > 0.5 s
+            averager_opts=averager_opts,
         )
         for dht, model in zip(dhts, models, strict=True)
     ]
@@ -161,10 +181,12 @@ def run(attack_kind: str | None, robust: bool) -> dict:
     for t in threads:
         t.join(300)
     wall = time.monotonic() - began
-    with torch.no_grad():
-        held_out = float(torch.nn.functional.cross_entropy(models[0](vx), vy))
-    if not torch.isfinite(torch.tensor(held_out)):
-        held_out = float("inf")
+    with torch.no_grad():  # the median over the honest peers (each a model of its own)
+        losses = [
+            float(torch.nn.functional.cross_entropy(model(vx), vy))
+            for model in models[: PEERS - ATTACKERS]
+        ]
+    held_out = statistics.median(x if math.isfinite(x) else math.inf for x in losses)
     epochs = sorted(epoch_times)
     gaps = [epoch_times[b] - epoch_times[a] for a, b in itertools.pairwise(epochs)]
     reached = opts[0].local_epoch
