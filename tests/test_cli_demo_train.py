@@ -40,6 +40,7 @@ def test_demo_alone_and_demo_train_run_collaborative_training_and_moe_the_expert
         (["--duration", "0"], "--duration must be positive"),
         (["--kill-at", "1.5"], "--kill-at must be in [0, 1)"),
         (["--width", "30"], "--width must be a multiple of 4"),
+        (["--monitor-port", "70000"], "--monitor-port must be between 0 and 65535"),
     ],
 )
 def test_bad_demo_options_are_refused_by_name_before_starting_anything(capsys, argv, message):
@@ -68,10 +69,12 @@ def test_ctrl_c_stops_every_process_and_removes_the_files():
                 break
         assert any(" s: epoch " in line for line in output), "".join(output)
         text = "".join(output)
-        pids = [int(p) for p in re.findall(r"\(pid (\d+)", text)]
+        pids = [int(p) for p in re.findall(r"\bpid (\d+)", text)]  # the monitor's too
         port = int(re.search(r"bootstrap peer .* at /ip4/127.0.0.1/tcp/(\d+)/", text).group(1))
+        dashboard = int(re.search(r"dashboard .*: http://127.0.0.1:(\d+)/", text).group(1))
         workdir = Path(re.search(r"files in (\S+)", text).group(1))
-        assert len(pids) == 4 and workdir.is_dir() and port in listening_ports()
+        assert len(pids) == 5 and workdir.is_dir()
+        assert {port, dashboard} <= listening_ports()
 
         demo.send_signal(signal.SIGINT)  # what Ctrl-C in its terminal sends
         rest, _ = demo.communicate(timeout=90)
@@ -80,7 +83,7 @@ def test_ctrl_c_stops_every_process_and_removes_the_files():
         assert "interrupted" in rest
         alive = [pid for pid in pids if psutil.pid_exists(pid)]
         assert not alive, f"processes left behind: {alive}\n" + "".join(output)
-        assert port not in listening_ports()
+        assert not {port, dashboard} & listening_ports()
         assert not workdir.exists()
     finally:
         if demo.poll() is None:
