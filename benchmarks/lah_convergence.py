@@ -1,9 +1,9 @@
 """Learning@home, convergence under delay and failure, on scikit-learn's digits.
 
-The experiment of Ryabinin & Gusev (2020), section 4.2, scaled to this machine: a small
+The convergence experiment of Ryabinin & Gusev (2020), scaled to this machine: a small
 classifier (64 pixels -> ``Linear`` + ReLU to ``--hidden`` (64) -> two DMoE layers ->
 ``Linear`` to 10 classes) whose DMoE layers are :class:`RemoteMixtureOfExperts` over a
-``2 x 4`` grid of ``ffn`` experts each (``k_best`` 2), served by 4 swarmgrad expert
+``2 x 2`` grid of ``ffn`` experts each (``k_best`` 2), served by 4 swarmgrad expert
 :class:`Server` peers on the simulated network (:mod:`_lah_swarm`, real time). Conditions:
 
 * ``dmoe_0ms``: no added delay;
@@ -15,20 +15,22 @@ classifier (64 pixels -> ``Linear`` + ReLU to ``--hidden`` (64) -> two DMoE laye
 * ``dense``: the same model with each DMoE layer replaced by one ffn block as wide as all
   of its experts together (equal parameter count), trained synchronously in-process.
 
-Training is asynchronous, as in Learning@home: a trainer starts a new batch of
-``--batch`` (32) every ``--interval`` (200 ms) whether or not earlier ones have finished,
-so with a delay more batches are in flight and both the experts (updated by each backward
-call) and the trainer's own layers (gates, input and output layers, on a master copy;
-each batch is computed on a snapshot of it) receive gradients computed on stale weights.
-A *step* is one batch's update of the trainer's layers; ``staleness`` is how many other
-steps happened between a batch's snapshot and its update (about 0, 2 and 20 for 0, 100
-and 1,000 ms here). Every optimizer is Adam with lr ``LAH_LR`` (1e-4): at 1e-3 (and with
-plain SGD at 0.05-0.1) even the dense model, trained locally on gradients 10 steps
-stale, falls to chance level, so the rate at which batches start and the learning rate
-together decide whether a given delay is survivable. Accuracy on a held-out 20% of the
-digits is measured every ``--eval-every`` steps (through the same experts, with the
-same delays and failures). ``--seeds`` (5) seeds per condition, run concurrently (each
-its own swarm; they mostly wait on the network).
+Training is asynchronous, as in Learning@home: to keep starting a batch of ``--batch``
+(32) every ``--interval`` (300 ms) despite the delay, a trainer keeps as many batches in
+flight as a step's delay requires (1 at 0 ms, 2 at 100 ms, 14 at 1,000 ms: a step makes
+four expert calls one after another), each computed on a snapshot of the trainer's own
+layers (gates, input and output layers: a master copy), whose gradients are applied to
+the master when the batch comes back. So with a delay, both the experts (updated by each
+backward call) and the trainer's layers receive gradients computed on stale weights. A
+*step* is one batch's update of the trainer's layers; ``staleness`` is how many other
+steps happened between a batch's snapshot and its update (about ``in_flight - 1``; set
+by the delay, not by this machine's speed). Every optimizer is Adam with lr ``LAH_LR``
+(1e-4): at 1e-3 (and with plain SGD at 0.05-0.1) even the dense model, trained locally
+on gradients 10 steps stale, falls to chance level, so how many batches are in flight
+and the learning rate together decide whether a delay is survivable. Accuracy on a
+held-out 20% of the digits is measured every ``--eval-every`` steps (through the same
+experts, with the same delays and failures). ``--seeds`` (5) seeds per condition, run
+concurrently (each its own swarm; they mostly wait on the network).
 
 Prints a table and, last, one JSON line. ``LAH_SMALL=1`` (or ``--small``) is a
 seconds-long configuration for tests; ``LAH_PLOT`` is where the PNG goes (empty: none).
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import math
 import os
 import statistics
 import sys
@@ -60,7 +63,7 @@ from swarmgrad.moe.server import ModuleBackend
 from swarmgrad.moe.server.layers import name_to_block
 
 DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "lah_convergence.png"
-GRID = (2, 4)
+GRID = (2, 2)
 SERVERS = 4
 LR = float(os.environ.get("LAH_LR", "1e-4"))
 _SETUP = threading.Lock()  # seeded set-up (torch's global generator) one run at a time
@@ -175,7 +178,7 @@ def train_dense(args, seed: int, data) -> dict:
         if step % args.eval_every == 0:
             with torch.no_grad():
                 curve.append((step, accuracy(model(x_test), y_test)))
-    return {"curve": curve, "staleness": 0.0, "failed_steps": 0}
+    return {"curve": curve, "staleness": 0.0, "failed_steps": 0, "in_flight": 1}
 
 
 def expert_backends(hidden: int, layers: int, server: int) -> dict[str, ModuleBackend]:
@@ -197,22 +200,23 @@ def expert_backends(hidden: int, layers: int, server: int) -> dict[str, ModuleBa
 
 
 class AsyncTrainer:
-    """Starts a batch every ``interval`` seconds on a snapshot of the master weights and
-    applies its gradients to the master when it comes back (asynchronous SGD)."""
+    """Keeps ``in_flight`` batches going, each computed on a snapshot of the master
+    weights, whose gradients are applied to the master when they come back
+    (asynchronous SGD)."""
 
-    def __init__(self, args, seed: int, data, moes: list[RemoteMixtureOfExperts]):
-        self.args, self.data, self.moes = args, data, moes
+    def __init__(self, args, seed: int, data, moes: list[RemoteMixtureOfExperts], in_flight: int):
+        self.args, self.data, self.moes, self.in_flight = args, data, moes, in_flight
         torch.manual_seed(seed)
         self.master = Local(args.hidden, args.layers)
         self.optimizer = torch.optim.Adam(self.master.parameters(), lr=LR)
         self.lock = threading.Lock()
         self.version = 0
+        self.started = 0
         self.staleness: list[int] = []
         self.failed = 0
         self.curve: list[tuple[int, float]] = []
         self.generator = torch.Generator().manual_seed(1000 + seed)
-        self.pool = concurrent.futures.ThreadPoolExecutor(args.max_in_flight)
-        self.in_flight = threading.Semaphore(args.max_in_flight)
+        self.evaluations = concurrent.futures.ThreadPoolExecutor(2)
 
     def snapshot(self) -> tuple[Local, int]:
         replica = Local(self.args.hidden, self.args.layers)
@@ -230,8 +234,6 @@ class AsyncTrainer:
             with self.lock:
                 self.failed += 1
             return
-        finally:
-            self.in_flight.release()
         with self.lock:
             for master, mine in zip(self.master.parameters(), replica.parameters(), strict=True):
                 master.grad = mine.grad
@@ -241,35 +243,46 @@ class AsyncTrainer:
             self.version += 1
             step = self.version
         if step % self.args.eval_every == 0:
-            self.evaluate(step)
+            self.evaluations.submit(self.evaluate, step, self.snapshot()[0])
 
-    def evaluate(self, step: int) -> None:
-        replica, _ = self.snapshot()
+    def evaluate(self, step: int, replica: Local) -> None:
         with torch.no_grad():
             acc = accuracy(replica(self.data[2], self.moes), self.data[3])
         with self.lock:
             self.curve.append((step, acc))
 
+    def worker(self) -> None:
+        while True:
+            with self.lock:
+                if self.started >= self.args.steps:
+                    return
+                self.started += 1
+                index = torch.randint(
+                    len(self.data[0]), (self.args.batch,), generator=self.generator
+                )
+            self.batch(index)
+
     def run(self) -> dict:
-        futures = []
-        next_start = time.perf_counter()
-        for _ in range(self.args.steps):
-            self.in_flight.acquire()
-            delay = next_start - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            next_start = max(next_start + self.args.interval, time.perf_counter() - 1.0)
-            index = torch.randint(len(self.data[0]), (self.args.batch,), generator=self.generator)
-            futures.append(self.pool.submit(self.batch, index))
-        for future in futures:
-            future.result()
-        self.pool.shutdown()
+        threads = [threading.Thread(target=self.worker) for _ in range(self.in_flight)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.evaluations.shutdown(wait=True)
         self.curve.sort()
         return {
             "curve": self.curve,
             "staleness": statistics.mean(self.staleness) if self.staleness else 0.0,
             "failed_steps": self.failed,
+            "in_flight": self.in_flight,
         }
+
+
+def batches_in_flight(args, delay: float) -> int:
+    """Batches a trainer keeps going to start one every ``--interval`` seconds despite
+    the delay: a step makes ``2 x layers`` expert calls one after another (forward, then
+    backward), each ``delay`` long."""
+    return max(1, math.ceil(round(2 * args.layers * delay / args.interval, 6)))
 
 
 def train_dmoe(args, seed: int, data, delay: float, failure_rate: float) -> dict:
@@ -290,7 +303,7 @@ def train_dmoe(args, seed: int, data, delay: float, failure_rate: float) -> dict
                 )
                 for layer in range(args.layers)
             ]
-            trainer = AsyncTrainer(args, seed, data, moes)
+            trainer = AsyncTrainer(args, seed, data, moes, batches_in_flight(args, delay))
         with torch.no_grad():  # connections, schemas, prefix caches: before the delay
             trainer.snapshot()[0](data[0][: args.batch], moes)
         swarm.set_latency(delay / 2)  # each call: half the delay each way
@@ -355,8 +368,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--eval-every", type=int)
-    parser.add_argument("--interval", type=float, help="seconds between batch starts")
-    parser.add_argument("--max-in-flight", type=int)
+    parser.add_argument(
+        "--interval", type=float, help="seconds between batch starts that in-flight batches aim at"
+    )
     parser.add_argument("--seeds", type=int)
     parser.add_argument(
         "--conditions", type=str, help="comma-separated, of: " + ", ".join(CONDITIONS)
@@ -364,8 +378,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", type=str, default=os.environ.get("LAH_PLOT", str(DEFAULT_PLOT)))
     args = parser.parse_args(argv)
     defaults = dict(
-        hidden=64, layers=2, k=2, batch=32, steps=400, eval_every=25, interval=0.2,
-        max_in_flight=256, seeds=5, conditions=",".join(CONDITIONS),
+        hidden=64, layers=2, k=2, batch=32, steps=300, eval_every=25, interval=0.3,
+        seeds=5, conditions=",".join(CONDITIONS),
     )  # fmt: skip
     if args.small:
         defaults.update(steps=30, eval_every=10, interval=0.02, seeds=2,
@@ -396,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"digits: {len(data[0])} train / {len(data[2])} held out; hidden {args.hidden}, "
         f"{args.layers} DMoE layers of {GRID[0]}x{GRID[1]} ffn experts, k_best {args.k}, "
-        f"batch {args.batch}, a batch started every {args.interval * 1e3:.0f} ms, "
+        f"batch {args.batch}, batches in flight for one every {args.interval * 1e3:.0f} ms, "
         f"{args.steps} steps, {args.seeds} seeds",
         flush=True,
     )
@@ -408,7 +422,8 @@ def main(argv: list[str] | None = None) -> dict:
         for seed, result in enumerate(runs[name]):
             print(
                 f"  {name:20} seed {seed}: final accuracy {result['curve'][-1][1]:.3f}, "
-                f"mean staleness {result['staleness']:6.1f} steps, lost batches "
+                f"in flight {result['in_flight']}, mean staleness {result['staleness']:5.1f} "
+                f"steps, lost batches "
                 f"{result['failed_steps']}",
                 flush=True,
             )
@@ -422,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
             "final_accuracy_median": round(statistics.median(finals), 4),
             "final_accuracy_min": round(min(finals), 4),
             "final_accuracy_max": round(max(finals), 4),
+            "in_flight": results[0]["in_flight"],
             "staleness_median": round(stale, 1),
             "lost_batches": sum(r["failed_steps"] for r in results),
             "median_curve": [

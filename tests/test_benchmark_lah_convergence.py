@@ -24,7 +24,7 @@ from swarmgrad.moe.server import ModuleBackend  # noqa: E402
 
 CONDITION_KEYS = {
     "final_accuracy_median", "final_accuracy_min", "final_accuracy_max", "staleness_median",
-    "lost_batches", "median_curve",
+    "lost_batches", "median_curve", "in_flight",
 }  # fmt: skip
 
 
