@@ -259,3 +259,22 @@ def test_epoch_scheduler_follows_jumps_and_refuses_explicit_epochs():
         scheduler.load_state_dict({"last_epoch": 3})
     with pytest.raises(ValidationError, match="needs a swarmgrad Optimizer"):
         EpochScheduler(inner.optimizer)
+
+
+def test_the_training_loss_goes_into_the_peers_metrics_record():
+    """Lightning steps the optimizer with a closure that returns the loss: the Optimizer
+    reports it for swarmgrad monitor by itself."""
+    seen: list[tuple[float, float | None]] = []
+
+    class Capture(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            record = trainer.strategy.optimizers[0].metrics.make_record()
+            seen.append((float(outputs["loss"]), record.loss))
+
+    strategy = SwarmgradStrategy(
+        target_batch_size=64, run_id="lightning_metrics", host_maddrs=LOOPBACK
+    )
+    make_trainer(strategy, Capture(), max_steps=3).fit(TinyRegression(), loader(seed=0))
+    assert len(seen) == 3
+    for loss, reported in seen:
+        assert reported == pytest.approx(loss)

@@ -178,3 +178,11 @@ def test_bad_callback_and_optimizer_arguments_are_refused_by_name():
             SwarmgradCallback(opt, max_epochs=0)
         with pytest.raises(ValidationError, match="backup_every_epochs must be a positive int"):
             SwarmgradCallback(opt, backup_every_epochs=True)
+
+
+def test_the_loss_the_trainer_logs_goes_into_the_peers_metrics_record():
+    with lone_peer("transformers_metrics") as (_, _, opt):
+        callback = SwarmgradCallback(opt)
+        callback.on_log(None, None, None, logs={"loss": 2.5, "learning_rate": 0.1})
+        callback.on_log(None, None, None, logs={"eval_loss": 9.0})  # not a training loss
+        assert opt.metrics.make_record().loss == 2.5

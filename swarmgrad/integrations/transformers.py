@@ -145,6 +145,9 @@ class SwarmgradCallback(TrainerCallback):
     ) -> None:
         if logs and isinstance(logs.get("loss"), int | float):
             self.last_loss = float(logs["loss"])
+            report = getattr(self.optimizer, "report", None)
+            if callable(report):  # this peer's metrics record, for swarmgrad monitor
+                report(self.last_loss)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
