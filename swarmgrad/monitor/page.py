@@ -66,6 +66,7 @@ DASHBOARD_HTML = r"""<!DOCTYPE html>
   td.num, th.num { text-align:right; font-variant-numeric:tabular-nums; }
   td.id { font-family:ui-monospace,monospace; max-width:220px; overflow:hidden;
           text-overflow:ellipsis; }
+  td.wrap { white-space:normal; min-width:14em; }
   .scroll { overflow-x:auto; }
   svg { width:100%; height:220px; display:block; }
   svg text { font-size:11px; fill:var(--muted); }
@@ -121,7 +122,7 @@ DASHBOARD_HTML = r"""<!DOCTYPE html>
       <tbody></tbody>
     </table></div>
   </section>
-  <section>
+  <section class="wide">
     <h2>Expert servers</h2>
     <div class="scroll"><table id="experts">
       <thead><tr><th>peer</th><th>run</th><th class="num">experts</th>
@@ -129,14 +130,16 @@ DASHBOARD_HTML = r"""<!DOCTYPE html>
       <tbody></tbody>
     </table></div>
   </section>
-  <section>
+  <section class="wide">
     <h2>Offenders</h2>
     <div class="scroll"><table id="offenders">
-      <thead><tr><th>peer</th><th class="num">reported by</th>
-        <th class="num">clipped rounds</th><th class="num">bad reductions</th>
-        <th class="num">banned by</th></tr></thead>
+      <thead><tr><th>peer</th><th class="num">reporters</th>
+        <th class="num">clipped</th><th class="num">bad sums</th>
+        <th class="num">bans</th></tr></thead>
       <tbody></tbody>
     </table></div>
+    <p class="legend">Peers whose contributions robust averaging clipped (rounds), whose
+      reductions failed a check (bad sums), by how many peers, and how many ban them.</p>
     <p class="legend" id="rejected"></p>
   </section>
 </main>
@@ -189,7 +192,8 @@ function drawChart(svg, series, opts) {
   for (let i = 0; i <= 4; i++) {
     const y = y0 + (y1 - y0) * i / 4;
     svg.appendChild(el("svg:line", {x1: L, x2: W - R, y1: sy(y), y2: sy(y), class: "grid"}));
-    svg.appendChild(el("svg:text", {x: L - 4, y: sy(y) + 4, "text-anchor": "end"}, fmt(y, 2)));
+    const label = opts.integer ? (Number.isInteger(y) ? String(y) : "") : fmt(y, 2);
+    svg.appendChild(el("svg:text", {x: L - 4, y: sy(y) + 4, "text-anchor": "end"}, label));
   }
   svg.appendChild(el("svg:line", {x1: L, x2: L, y1: T, y2: H - B, class: "axis"}));
   svg.appendChild(el("svg:line", {x1: L, x2: W - R, y1: H - B, y2: H - B, class: "axis"}));
@@ -221,7 +225,11 @@ function fillTable(table, rows, empty) {
   }
   for (const row of rows) {
     const tr = el("tr", row.attrs || {});
-    for (const cell of row.cells) tr.appendChild(el("td", {class: cell[1] || ""}, cell[0]));
+    for (const cell of row.cells) {
+      const attrs = {class: cell[1] || ""};
+      if (cell[2]) attrs.title = cell[2];
+      tr.appendChild(el("td", attrs, cell[0]));
+    }
     body.appendChild(tr);
   }
 }
@@ -285,11 +293,11 @@ function render(snap) {
   drawChart(document.getElementById("epoch-chart"),
     [{name: "epoch", color: "#2563eb", cls: "epoch-line", points: zip(h.epoch)},
      {name: "peers", color: "#d97706", cls: "peers-line", points: zip(h.num_peers)}],
-    {zero: true});
+    {zero: true, integer: true});
   drawChart(document.getElementById("averaging-chart"),
     [{name: "ok", color: "#16a34a", cls: "rounds-ok-line", points: zip(h.rounds_ok)},
      {name: "failed", color: "#dc2626", cls: "rounds-failed-line",
-      points: zip(h.rounds_failed)}], {zero: true});
+      points: zip(h.rounds_failed)}], {zero: true, integer: true});
   fillTable(document.getElementById("peers"), (run ? run.peers : []).map(p => ({
     attrs: {class: "peer", "data-peer": p.peer_id},
     cells: [[p.peer_id, "id"], [p.role + (p.client_mode && p.role !== "client" ? " (client)" : "")],
@@ -299,13 +307,14 @@ function render(snap) {
             [fmt(p.last_seen_s, 0) + " s", "num"]]})), "no peers");
   fillTable(document.getElementById("experts"), (snap.expert_servers || []).map(p => ({
     attrs: {class: "expert-server", "data-peer": p.peer_id},
-    cells: [[p.peer_id, "id"], [p.run_id], [p.num_experts, "num"],
+    cells: [[shortId(p.peer_id), "id", p.peer_id], [p.run_id], [p.num_experts, "num"],
             [p.expert_batches, "num"], [p.experts.slice(0, 8).join(" ") +
-                                        (p.experts.length > 8 ? " …" : "")]]})),
+                                        (p.experts.length > 8 ? " …" : ""), "wrap"]]})),
     "no expert server seen");
   fillTable(document.getElementById("offenders"), (run ? run.offenders : []).map(o => ({
     attrs: {class: "offender", "data-peer": o.peer_id},
-    cells: [[o.peer_id, "id"], [o.reported_by, "num"], [o.clipped_rounds, "num warn"],
+    cells: [[shortId(o.peer_id), "id", o.peer_id], [o.reported_by, "num"],
+            [o.clipped_rounds, "num warn"],
             [o.bad_reductions, o.bad_reductions ? "num bad" : "num"],
             [o.banned_by, o.banned_by ? "num bad" : "num"]]})), "none reported");
   const rej = snap.rejected || {};
