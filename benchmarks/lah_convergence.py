@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _lah_swarm import SimSwarm
 
 from swarmgrad.moe import RemoteMixtureOfExperts
+from swarmgrad.moe.client import NoExpertsAnswered
 from swarmgrad.moe.protocol import BatchTensorDescriptor
 from swarmgrad.moe.server import ModuleBackend
 from swarmgrad.moe.server.layers import name_to_block
@@ -230,7 +231,10 @@ class AsyncTrainer:
         replica, version = self.snapshot()
         try:
             F.cross_entropy(replica(x, self.moes), y).backward()
-        except Exception:  # no expert answered some sample: the batch is lost
+        except NoExpertsAnswered:
+            # every expert a sample chose failed (forward), or every expert called by a
+            # layer failed (backward: with 10% failing calls, 1% when all the batch's
+            # samples chose the same two experts): the layer raises and the batch is lost
             with self.lock:
                 self.failed += 1
             return
@@ -268,6 +272,8 @@ class AsyncTrainer:
             thread.start()
         for thread in threads:
             thread.join()
+        if self.version % self.args.eval_every:  # lost batches: fewer steps than started
+            self.evaluate(self.version, self.snapshot()[0])
         self.evaluations.shutdown(wait=True)
         self.curve.sort()
         return {
@@ -327,6 +333,12 @@ def train_seeds(args, name: str, data) -> list[dict]:
 # ---------------------------------------------------------------------- main
 
 
+def at_step(curve: list[tuple[int, float]], step: int) -> float:
+    """The accuracy a run had at ``step``: its last evaluation at or before it (a run
+    that lost batches has its last evaluation a few steps short of the others')."""
+    return max(((s, a) for s, a in curve if s <= step), default=(0, 0.0))[1]
+
+
 def plot(path: Path, curves: dict[str, list[list[tuple[int, float]]]], title: str) -> bool:
     try:
         import matplotlib
@@ -338,11 +350,10 @@ def plot(path: Path, curves: dict[str, list[list[tuple[int, float]]]], title: st
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, runs in curves.items():
-        steps = [s for s, _ in runs[0]]
-        accs = [[dict(run).get(s) for run in runs] for s in steps]
-        med = [statistics.median(a for a in values if a is not None) for values in accs]
-        lo = [min(a for a in values if a is not None) for values in accs]
-        hi = [max(a for a in values if a is not None) for values in accs]
+        steps = sorted({s for run in runs for s, _ in run})
+        accs = [[at_step(run, s) for run in runs] for s in steps]
+        med = [statistics.median(values) for values in accs]
+        lo, hi = [min(values) for values in accs], [max(values) for values in accs]
         (line,) = ax.plot(steps, med, label=name)
         ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
     ax.set_xlabel("training steps (trainer updates, batch of 32)")
@@ -441,8 +452,8 @@ def main(argv: list[str] | None = None) -> dict:
             "staleness_median": round(stale, 1),
             "lost_batches": sum(r["failed_steps"] for r in results),
             "median_curve": [
-                [s, round(statistics.median(dict(r["curve"]).get(s, 0.0) for r in results), 4)]
-                for s, _ in results[0]["curve"]
+                [s, round(statistics.median(at_step(r["curve"], s) for r in results), 4)]
+                for s in range(args.eval_every, args.steps + 1, args.eval_every)
             ],
         }
         print(
