@@ -138,3 +138,41 @@ def test_keepalive_drops_a_connection_whose_peer_vanished_silently():
             await p.shutdown()
 
     run_simulation(main, latency=0.05)
+
+
+def test_keepalive_keeps_a_slow_connection_whose_ping_answer_waits_behind_data():
+    """b sends a's 8 MB answer over a 250 kB/s link with 8 MB of write buffering (what
+    TLS and the kernel's socket buffer hold on real sockets): b's reply to a's ping queues
+    behind up to a stream window (4 MB, 16 s) of data, longer than the 5-s keepalive
+    timeout. Bytes keep arriving, so the connection is alive and the call completes."""
+
+    async def main(network):
+        a = await create_sim_peer(network, keepalive_interval=4, keepalive_timeout=5)
+        b = await create_sim_peer(network, keepalive_interval=None)
+
+        async def blob(request, context):
+            return Blob(bytes(8_000_000))
+
+        b.add_handler("blob", blob)
+        network.set_link(
+            a.get_visible_maddrs()[0].host + ":31337",
+            b.get_visible_maddrs()[0].host + ":31337",
+            bandwidth=250_000,
+        )
+        b.add_handler("echo", echo)
+        await a.call(b.get_visible_maddrs()[0], "echo", 1)
+        (conn,) = [c for c in b._all_connections if c.remote_peer_id == a.peer_id]
+        conn.transport.set_write_buffer_limits(high=8_000_000)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        answer = await a.call(b.get_visible_maddrs()[0], "blob", 1, timeout=120)
+        elapsed = loop.time() - started
+        connected = a.is_connected(b.peer_id)
+        for p in (a, b):
+            await p.shutdown()
+        return len(answer), elapsed, connected
+
+    size, elapsed, connected = run_simulation(main, latency=0.05)
+    assert size == 8_000_000
+    assert elapsed > 30  # several keepalive rounds passed during the transfer
+    assert connected

@@ -400,6 +400,9 @@ class Connection(asyncio.BufferedProtocol):
         self.handshake_done: asyncio.Future[PeerID] = self._loop.create_future()
         self.closed: asyncio.Future[BaseException | None] = self._loop.create_future()
         self.last_active = self._loop.time()  # a stream opened or ended (idle closing)
+        # bytes the remote got through to us, on any stream or control frame: a sign of
+        # life when a ping's answer waits behind megabytes of data on a slow link
+        self.bytes_received = 0
         self.transport: Any = None
         # The layer that will carry us once it is secured (e.g. TLS still handshaking):
         # closing or aborting before connection_made must reach it.
@@ -473,6 +476,7 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self._dead:
             return
+        self.bytes_received += nbytes
         try:
             if self._payload_left:
                 self._payload_received(nbytes)
