@@ -13,6 +13,7 @@ from swarmgrad.dht.schema import SchemaValidator
 from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.dht.validation import DHTRecord, serialize
 from swarmgrad.monitor.collector import (
+    MAX_LOSS_CURVES,
     MAX_RUNS,
     SwarmView,
     parse_metrics,
@@ -248,3 +249,17 @@ def test_the_page_inlines_the_snapshot_as_inert_json():
     assert "alert" not in rest.split("<script>", 1)[0]
     assert "__INITIAL_SNAPSHOT__" not in page
     assert json.loads(render_page(None).split('type="application/json">')[1].split("<")[0]) is None
+
+
+def test_the_snapshot_carries_the_loss_curves_of_the_peers_that_reported_last():
+    view = SwarmView()
+    peers = [_identity_and_subkey() for _ in range(MAX_LOSS_CURVES + 5)]
+    entries = {
+        key: _metrics(identity, 100.0 + index, loss=float(index))
+        for index, (identity, key) in enumerate(peers)
+    }
+    view.update_run("run", parse_progress(None), parse_metrics(_found(entries)), 200.0)
+    (run,) = view.snapshot(200.0)["runs"]
+    assert run["num_peers"] == MAX_LOSS_CURVES + 5
+    newest = {str(identity.peer_id) for identity, _ in peers[5:]}
+    assert set(run["loss_by_peer"]) == newest

@@ -45,6 +45,7 @@ __all__ = [
 
 MAX_RUNS = 32  # runs followed at once (the run directory is unsigned: anyone may add to it)
 MAX_PEERS_PER_RUN = 1024
+MAX_LOSS_CURVES = 10  # per-peer loss curves in a snapshot (the run's mean is always there)
 MAX_PROGRESS_BYTES = 4 * 1024
 _MAX_RUN_ID = 128
 _MAX_REMEMBERED_REFUSALS = 100_000
@@ -324,12 +325,22 @@ class SwarmView:
             "peers": peers,
             "history": history,
             "loss_by_peer": {
-                p.peer_id: [[t, loss] for t, loss in p.loss_history] for p in run.peers.values()
+                p.peer_id: [[t, loss] for t, loss in p.loss_history]
+                for p in _chart_peers(run.peers.values())
             },
             "offenders": sorted(
                 offenders.values(), key=lambda o: -(o["clipped_rounds"] + o["bad_reductions"])
             ),
         }
+
+
+def _chart_peers(peers: Any) -> list[_Peer]:
+    """The peers whose loss curves the snapshot carries: the MAX_LOSS_CURVES that
+    reported a loss most recently (a swarm of a thousand would make every poll of the page
+    megabytes, and a chart of a thousand lines says nothing)."""
+    with_loss = [p for p in peers if p.loss_history]
+    with_loss.sort(key=lambda p: p.loss_history[-1][0], reverse=True)
+    return sorted(with_loss[:MAX_LOSS_CURVES], key=lambda p: p.peer_id)
 
 
 def _rate(peer: _Peer) -> float:
