@@ -263,3 +263,15 @@ def test_the_snapshot_carries_the_loss_curves_of_the_peers_that_reported_last():
     assert run["num_peers"] == MAX_LOSS_CURVES + 5
     newest = {str(identity.peer_id) for identity, _ in peers[5:]}
     assert set(run["loss_by_peer"]) == newest
+
+
+def test_a_run_the_directory_stops_listing_is_dropped_after_two_reads():
+    alice, alice_key = _identity_and_subkey()
+    view = SwarmView()
+    for run in ("old", "new"):
+        records = parse_metrics(_found({alice_key: _metrics(alice, 1.0)}))
+        view.update_run(run, parse_progress(None), records, 1.0)
+    view.retain_runs(["new"])
+    assert {r["run_id"] for r in view.snapshot(2.0)["runs"]} == {"old", "new"}
+    view.retain_runs(["new"])
+    assert [r["run_id"] for r in view.snapshot(3.0)["runs"]] == ["new"]

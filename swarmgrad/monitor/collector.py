@@ -178,6 +178,7 @@ class _Peer:
 class _Run:
     def __init__(self, run_id: str, history: int):
         self.run_id = run_id
+        self.absent = 0  # polls in a row whose run directory did not list it
         self.peers: dict[bytes, _Peer] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
         self.history_length = history
@@ -213,6 +214,17 @@ class SwarmView:
                 self._refused_seen.clear()  # a flood: some may be counted twice, never lost
             self._refused_seen.add(fingerprint)
             self.rejected[reason] += 1
+
+    def retain_runs(self, run_ids: list[str]) -> None:
+        """The run directory listed ``run_ids``: a run it left out of ``absent_polls``
+        reads in a row is dropped (its last peer left, or its announcement expired)."""
+        for run_id, run in list(self.runs.items()):
+            if run_id in run_ids:
+                run.absent = 0
+                continue
+            run.absent += 1
+            if run.absent >= self.absent_polls:
+                del self.runs[run_id]
 
     def update_run(
         self, run_id: str, progress: ParsedRecords, metrics: ParsedRecords, now: float

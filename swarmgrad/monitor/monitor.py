@@ -169,6 +169,8 @@ class Monitor:
             return
         now = get_dht_time()
         with self._lock:
+            if self.run_ids is None:
+                self.view.retain_runs(run_ids)
             for run in run_ids:
                 self.view.update_run(
                     run,
