@@ -431,3 +431,26 @@ def test_a_peer_clipped_by_centered_clip_is_reported_in_the_monitor(bootstrap):
             item.shutdown()
         for dht in [watcher, *dhts]:
             dht.shutdown()
+
+
+def test_bad_http_requests_get_an_error_status_and_the_server_keeps_serving(bootstrap):
+    watcher = _join(bootstrap, client_mode=True)
+    monitor = Monitor(watcher, port=0, poll_interval=0.5)
+    try:
+
+        def ask(raw: bytes) -> bytes:
+            with socket.create_connection(("127.0.0.1", monitor.port), timeout=10) as s:
+                s.sendall(raw)
+                s.shutdown(socket.SHUT_WR)
+                return b"".join(iter(lambda: s.recv(65536), b""))
+
+        assert ask(b"garbage\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+        assert ask(b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 100 + b"\r\n").startswith(b"HTTP/1.1 400 ")
+        assert ask(b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+        assert ask(b"POST /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+        head = ask(b"HEAD /api/snapshot HTTP/1.1\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")
+        assert _get(monitor.url + "api/snapshot?x=1")[0] == 200
+    finally:
+        monitor.shutdown()
+        watcher.shutdown()
