@@ -71,6 +71,43 @@ def test_a_minority_of_huge_outliers_cannot_move_the_result_far(swarm, rng):
         assert torch.allclose(permuted, result, atol=1e-9)
 
 
+def centered_clip_by_definition(inputs, weights, tau, n_iters):
+    """The iteration as written in the paper, one pass over all values per step, with
+    the rule's stop (a step below 1e-7 of the center's norm)."""
+    weights = weights / weights.sum()
+    center = inputs.double().median(dim=0).values
+    for _ in range(n_iters):
+        offsets = inputs.double() - center
+        norms = offsets.norm(dim=1)
+        step = (weights.double() * (tau / norms.clamp_min(1e-30)).clamp(max=1)) @ offsets
+        center = center + step
+        if float(step.norm()) <= 1e-7 * max(1.0, float(center.norm())):
+            break
+    return center
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(2, 9),
+    st.integers(1, 400),
+    st.sampled_from([1e-6, 1e-3, 1.0, 100.0]),  # spread around 1.0: down to peers in sync
+    st.sampled_from([1e-3, 0.1, 10.0]),  # tau relative to the spread
+    st.integers(0, 2**31 - 1),
+)
+def test_centered_clip_in_coefficient_space_equals_the_direct_iteration(n, dim, spread, tau, seed):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = 1.0 + spread * torch.randn(n, dim, generator=gen)
+    inputs[: max(0, (n - 1) // 3)] *= -50  # a minority far away
+    weights = torch.rand(n, generator=gen) + 0.5
+    rule = CenteredClip(tau=tau * spread, n_iters=30, max_weight_ratio=100.0)
+    ours, _ = rule.aggregate(inputs, weights)
+    truth = centered_clip_by_definition(inputs, weights, tau * spread, 30)
+    # 0.1% of the spread, plus what a float32 result can resolve and what stopping one
+    # iteration apart can leave (each step below 1e-7 of the center's norm)
+    bound = 1e-3 * spread * dim**0.5 + (1e-6 + 30 * 1e-7) * max(1.0, float(truth.norm()))
+    assert float((ours.double() - truth).norm()) <= bound
+
+
 def test_a_plain_mean_is_moved_anywhere_by_one_outlier_and_the_rules_are_not():
     honest = torch.randn(5, 20, generator=torch.Generator().manual_seed(0))
     inputs = torch.cat([honest, 1000 * honest[:1]])
