@@ -21,7 +21,10 @@ left untouched.
 Faults: a sender that fails, stalls past its wait (see :mod:`.deadlines`), or sends bad
 data (NaN/Inf, tensors unlike ours, more bytes than its share) is excluded and the owner
 averages the others; parts it already delivered stay in. A member whose owner fails or
-stalls keeps its local values for that whole span. A span is written into the local
+stalls keeps its local values for that whole span. A peer counts as stalled only when
+nothing at all arrives from it for the whole wait: on a slow link a stream's next bytes
+may queue behind frames of the connection's other streams (up to a megabyte each), so any
+byte on the connection is a sign of life. A span is written into the local
 tensors only once all its parts have arrived and passed the checks, so a tensor never
 holds half a span's average. Every wait is bounded, and an optional overall ``timeout``
 ends the round early, applying only the spans already complete.
@@ -649,16 +652,17 @@ class AllReduceRunner:
                 remote_type = status.get("type", "Exception") if isinstance(status, dict) else ""
                 raise RemoteError(str(error), remote_type=str(remote_type), peer=owner)
             sent = [0]
+            activity = lambda: sent[0] + _connection_bytes(stream)  # noqa: E731
             writer = asyncio.ensure_future(self._send_parts(stream, span_index, sent))
             writer.add_done_callback(functools.partial(_reset_on_failure, stream))
             nbytes = self.container.span_nbytes(span_index)
             if status.get("codec", _NONE) == _NONE:
                 result_buffer = self.pool.take(nbytes)
                 averaged = await self._receive_raw(
-                    stream, span_index, result_buffer, meter, lambda: sent[0]
+                    stream, span_index, result_buffer, meter, activity
                 )
             else:
-                averaged = await self._receive_framed(stream, span_index, meter, lambda: sent[0])
+                averaged = await self._receive_framed(stream, span_index, meter, activity)
             if self.aggregation is not None:
                 self._check_robust_result(span_index, averaged)
             for part_index, values in enumerate(averaged):
@@ -1047,6 +1051,7 @@ class AllReduceRunner:
                             reader,
                             lambda k=done: self.timeouts.sender_wait(meter, specs[k].nbytes),
                             f"no part {done}",
+                            functools.partial(_connection_bytes, stream),
                         )
                         last = start + complete[-1]
                         meter.observe(offsets[last + 1] - offsets[done], loop.time() - started)
@@ -1071,7 +1076,12 @@ class AllReduceRunner:
         for k, spec in enumerate(container.parts[me]):
             wait = self.timeouts.sender_wait(meter, spec.nbytes)
             started = loop.time()
-            message = await _within(_read_framed_part(stream), wait, f"no part {k}")
+            message = await _while_active(
+                _read_framed_part(stream),
+                lambda wait=wait: wait,
+                f"no part {k}",
+                functools.partial(_connection_bytes, stream),
+            )
             meter.observe(spec.nbytes, loop.time() - started)
             part = container.decode_part(me, k, message, str(remote))
             self._accumulate(slot, k, part, weight, reuse=True)
@@ -1085,6 +1095,13 @@ class AllReduceRunner:
             )
         self._reducer.accumulate_part(slot, k, part, weight, reuse=reuse)
         self._remote_contributions += 1
+
+
+def _connection_bytes(stream: Any) -> int:
+    """Bytes the stream's connection has received so far, on any stream (0 where the
+    transport does not count them). On a slow link one stream's bytes may wait a while
+    behind the frames of the others; the remote is alive as long as these grow."""
+    return getattr(getattr(stream, "conn", None), "bytes_received", 0)
 
 
 def _peer_is_gone(error: BaseException) -> bool:
