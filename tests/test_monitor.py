@@ -404,6 +404,7 @@ def test_a_peer_clipped_by_centered_clip_is_reported_in_the_monitor(bootstrap):
             )  # fmt: skip
         controls = [a.step(timeout=30, wait=False, expected_group_size=4) for a in averagers]
         assert all(len(control.result(60) or ()) == 4 for control in controls)
+        assert [(a.rounds_succeeded, a.rounds_failed) for a in averagers] == [(1, 0)] * 4
         attacker = str(dhts[3].peer_id)
         monitor = Monitor(watcher, run_ids=["clip"], port=0, poll_interval=0.3)
 

@@ -140,3 +140,16 @@ def test_diloco_mode_publishes_its_record_too(dht):
         )
     finally:
         opt.shutdown()
+
+
+def test_an_averagers_step_that_finds_nobody_counts_as_a_failed_round(dht):
+    from swarmgrad.averaging.averager import DecentralizedAverager
+
+    averager = DecentralizedAverager(
+        [torch.zeros(4)], dht, prefix="alone", start=True, min_matchmaking_time=0.2
+    )
+    try:
+        assert averager.step(timeout=1.0) is None
+        assert (averager.rounds_succeeded, averager.rounds_failed) == (0, 1)
+    finally:
+        averager.shutdown()
