@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_averaging_averager import simulate, start_swarm, stop
 
-from swarmgrad.averaging.robust import CenteredClip, TrimmedMean, cap_weights
+from swarmgrad.averaging.robust import (
+    CenteredClip,
+    TrimmedMean,
+    cap_weights,
+    lower_median,
+    sorted_rows,
+    sorting_network,
+)
 from swarmgrad.averaging.robust_reducer import RobustPartReducer
 from swarmgrad.utils.errors import ProtocolViolation, ValidationError
 
@@ -69,6 +76,33 @@ def test_a_minority_of_huge_outliers_cannot_move_the_result_far(swarm, rng):
             assert all(limited[honest.shape[0] :])  # every outlier was clipped
         permuted, _ = rule.aggregate(inputs[order], weights[order])
         assert torch.allclose(permuted, result, atol=1e-9)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_the_sorting_network_sorts_every_zero_one_input(size):
+    """The 0-1 principle: a comparator network that sorts all 2^size inputs of zeros and
+    ones sorts every input."""
+    network = sorting_network(size)
+    for bits in range(1 << size):
+        wires = [(bits >> i) & 1 for i in range(size)]
+        for i, j in network:
+            if wires[i] > wires[j]:
+                wires[i], wires[j] = wires[j], wires[i]
+        assert wires == sorted(wires)
+
+
+def test_a_sorting_network_needs_a_power_of_two():
+    with pytest.raises(ValidationError, match="power of two wires, got 6"):
+        sorting_network(6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 50), st.integers(0, 2**31 - 1))
+def test_sorted_rows_and_the_median_match_torch(n, dim, seed):
+    inputs = torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
+    inputs[:, : dim // 3] = inputs[:, : dim // 3].round()  # ties too
+    assert torch.equal(torch.stack(sorted_rows(inputs)), inputs.sort(dim=0).values)
+    assert torch.equal(lower_median(inputs), inputs.median(dim=0).values)
 
 
 def centered_clip_by_definition(inputs, weights, tau, n_iters):

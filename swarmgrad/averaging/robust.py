@@ -23,14 +23,24 @@ as robust per block and needs no second pass over the span (see docs/design-note
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from swarmgrad.utils.errors import ValidationError
 
-__all__ = ["AggregationRule", "CenteredClip", "TrimmedMean", "cap_weights"]
+__all__ = [
+    "AggregationRule",
+    "CenteredClip",
+    "TrimmedMean",
+    "cap_weights",
+    "lower_median",
+    "sorted_rows",
+    "sorting_network",
+]
 
 
 def cap_weights(weights: torch.Tensor, max_weight_ratio: float) -> torch.Tensor:
@@ -44,6 +54,57 @@ def cap_weights(weights: torch.Tensor, max_weight_ratio: float) -> torch.Tensor:
     if median <= 0:
         return weights
     return weights.clamp(max=max_weight_ratio * median)
+
+
+NETWORK_MAX_INPUTS = 16  # above this, torch's sort; below, a sorting network
+
+
+@functools.cache
+def sorting_network(size: int) -> tuple[tuple[int, int], ...]:
+    """Compare-exchange pairs of Batcher's odd-even merge sort on ``size`` wires (a power
+    of two): after them, wire ``i`` holds the ``i``-th smallest value. Blocks of ``2p``
+    sorted halves are merged by comparing wires ``k`` apart, for ``k`` from ``p`` down."""
+    if size < 1 or size & (size - 1):
+        raise ValidationError(f"a sorting network needs a power of two wires, got {size}")
+    pairs = []
+    block = 1
+    while block < size:
+        gap = block
+        while gap >= 1:
+            for start in range(gap % block, size - gap, 2 * gap):
+                for offset in range(min(gap, size - start - gap)):
+                    low = start + offset
+                    if low // (2 * block) == (low + gap) // (2 * block):
+                        pairs.append((low, low + gap))
+            gap //= 2
+        block *= 2
+    return tuple(pairs)
+
+
+def sorted_rows(inputs: torch.Tensor) -> list[torch.Tensor]:
+    """The ``n`` rows of ``inputs`` ``[n, d]`` sorted coordinate by coordinate (row 0 the
+    smallest values). For a group's few inputs, a sorting network of elementwise
+    min/max is 10-20 x faster than ``torch.sort`` along the short dimension (which was
+    most of CenteredClip's time); missing wires of the padded network act as +inf."""
+    n = inputs.shape[0]
+    if n > NETWORK_MAX_INPUTS:
+        return list(inputs.sort(dim=0).values.unbind(0))
+    rows: list[torch.Tensor | None] = list(inputs.unbind(0))
+    rows += [None] * ((1 << (n - 1).bit_length()) - n)
+    for i, j in sorting_network(len(rows)):
+        low, high = rows[i], rows[j]
+        if high is None:  # +inf stays above
+            continue
+        if low is None:
+            rows[i], rows[j] = high, None
+        else:
+            rows[i], rows[j] = torch.minimum(low, high), torch.maximum(low, high)
+    return [row for row in rows[:n] if row is not None]
+
+
+def lower_median(inputs: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise lower median of the rows (as ``inputs.median(dim=0)``)."""
+    return sorted_rows(inputs)[(inputs.shape[0] - 1) // 2]
 
 
 @dataclass(frozen=True)
@@ -153,31 +214,31 @@ class CenteredClip(AggregationRule):
         distances free of cancellation for inputs that nearly agree (parameters in sync);
         the small algebra is float64."""
         weights = self._check(inputs, weights)
-        n = inputs.shape[0]
-        w = (weights / weights.sum()).to(torch.float64)
-        median = inputs.median(dim=0).values
+        w = (weights / weights.sum()).to(torch.float64).numpy()
+        median = lower_median(inputs)
         offsets = inputs - median  # [n, d]
-        gram = (offsets @ offsets.T).to(torch.float64)  # [n, n]
-        beta = torch.zeros(n, dtype=torch.float64)
+        gram = (offsets @ offsets.T).to(torch.float64).numpy()  # [n, n]
+        diagonal = gram.diagonal().copy()
+        beta = np.zeros(len(w))
         median_norm = float(median.norm())
         tau = float(self.tau)
-        clipped = torch.zeros(n, dtype=torch.bool)
-        for _ in range(self.n_iters):
+        clipped = np.zeros(len(w), dtype=bool)
+        for _ in range(self.n_iters):  # n x n numpy: microseconds, not torch calls
             gram_beta = gram @ beta
             center_sq = float(beta @ gram_beta)  # |c - median|^2
             # |x_i - c|^2 = |y_i|^2 - 2 y_i.(c - median) + |c - median|^2
-            squared = gram.diagonal() - 2 * gram_beta + center_sq
-            distances = squared.clamp_min(0).sqrt()
+            distances = np.sqrt(np.maximum(diagonal - 2 * gram_beta + center_sq, 0.0))
             clipped = distances > tau
-            pull = w * torch.clamp(tau / distances.clamp_min(1e-30), max=1.0)
-            beta = beta * (1 - float(pull.sum())) + pull  # c += sum_i pull_i (x_i - c)
+            pull = w * np.minimum(tau / np.maximum(distances, 1e-30), 1.0)
+            beta = beta * (1 - pull.sum()) + pull  # c += sum_i pull_i (x_i - c)
             # |step|^2 = pull^T D pull, D_ij = (x_i - c).(x_j - c) at the old center
             between = gram - gram_beta[:, None] - gram_beta[None, :] + center_sq
             step_sq = float(pull @ between @ pull)
             scale = max(1.0, median_norm + math.sqrt(max(center_sq, 0.0)))
             if step_sq <= (1e-7 * scale) ** 2:
                 break
-        return median + beta.to(inputs.dtype) @ offsets, clipped.tolist()
+        combination = torch.from_numpy(beta).to(inputs.dtype)
+        return median + combination @ offsets, clipped.tolist()
 
 
 @dataclass(frozen=True)
@@ -202,8 +263,7 @@ class TrimmedMean(AggregationRule):
         self._check(inputs, weights)
         n = inputs.shape[0]
         trim = min(self.trim, (n - 1) // 2)
-        ordered = inputs.sort(dim=0).values
-        kept = ordered[trim : n - trim]
+        kept = torch.stack(sorted_rows(inputs)[trim : n - trim])
         result = kept.mean(dim=0)
         if trim == 0:
             return result, [False] * n
