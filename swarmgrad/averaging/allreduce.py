@@ -703,10 +703,10 @@ class AllReduceRunner:
         is a bad reduction; the span stays local and its owner is named."""
         assert self.aggregation is not None
         squared_distance = squared_norm = 0.0
-        for part_index, values in enumerate(averaged):
-            own = self.container.local_part(span_index, part_index).double().reshape(-1)
-            squared_distance += float((values.double().reshape(-1) - own).square().sum())
-            squared_norm += float(own.square().sum())
+        for part_index, values in enumerate(averaged):  # float32 is ample for a bound
+            own = self.container.local_part(span_index, part_index).reshape(-1)
+            squared_distance += float(torch.dist(values.reshape(-1).to(own.dtype), own)) ** 2
+            squared_norm += float(torch.linalg.vector_norm(own)) ** 2
         distance = math.sqrt(squared_distance)
         bound = self.aggregation.max_result_distance(math.sqrt(squared_norm))
         if not distance <= bound:
@@ -893,7 +893,9 @@ class AllReduceRunner:
         if reply is None:
             values = self._reducer.part_future(part_index).result()
             if values is None:
-                raise ValidationError(f"part {part_index} could not be averaged: no data")
+                short = self._reducer.min_inputs
+                why = f"fewer than the {short} inputs the rule needs" if short > 1 else "no data"
+                raise ValidationError(f"part {part_index} could not be averaged: {why}")
             if self.codec_name == _NONE:
                 reply = tensor_bytes(values)
             else:

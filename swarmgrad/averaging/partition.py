@@ -329,6 +329,8 @@ class TensorPartReducer:
     a round allocates nothing; results of float32/float64 parts are views of it.
     """
 
+    min_inputs = 1  # a part is averaged from any sender that delivered it
+
     def __init__(
         self,
         part_specs: Sequence[tuple[int, torch.dtype]],

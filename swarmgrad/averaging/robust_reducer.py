@@ -54,6 +54,10 @@ class RobustPartReducer:
             self._maybe_finish(index)
 
     @property
+    def min_inputs(self) -> int:
+        return self.rule.min_inputs
+
+    @property
     def num_parts(self) -> int:
         return len(self.part_specs)
 
