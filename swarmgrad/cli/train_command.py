@@ -64,7 +64,7 @@ DEFAULTS: dict[str, Any] = {
     "metadata_expiration": 60.0,
     "use_local_updates": False,
     "client_mode": False,
-    "metrics_period": 5.0,
+    "metrics_period": 30.0,
     "checkpoint_dir": None,
     "checkpoint_every": 5,
     "host_maddrs": ["/ip4/0.0.0.0/tcp/0"],
