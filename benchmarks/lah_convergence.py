@@ -333,6 +333,14 @@ def train_seeds(args, name: str, data) -> list[dict]:
 # ---------------------------------------------------------------------- main
 
 
+def label(name: str) -> str:
+    if name == "dense":
+        return "dense, equal parameters"
+    delay, failure_rate = condition(name)
+    text = f"DMoE, {delay * 1e3:.0f} ms delay" if delay else "DMoE, no delay"
+    return text + (f", {failure_rate:.0%} of calls fail" if failure_rate else "")
+
+
 def at_step(curve: list[tuple[int, float]], step: int) -> float:
     """The accuracy a run had at ``step``: its last evaluation at or before it (a run
     that lost batches has its last evaluation a few steps short of the others')."""
@@ -354,7 +362,7 @@ def plot(path: Path, curves: dict[str, list[list[tuple[int, float]]]], title: st
         accs = [[at_step(run, s) for run in runs] for s in steps]
         med = [statistics.median(values) for values in accs]
         lo, hi = [min(values) for values in accs], [max(values) for values in accs]
-        (line,) = ax.plot(steps, med, label=name)
+        (line,) = ax.plot(steps, med, label=label(name))
         ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
     ax.set_xlabel("training steps (trainer updates, batch of 32)")
     ax.set_ylabel("held-out accuracy")
@@ -393,7 +401,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         seeds=5, conditions=",".join(CONDITIONS),
     )  # fmt: skip
     if args.small:
-        defaults.update(steps=30, eval_every=10, interval=0.02, seeds=2,
+        defaults.update(steps=20, eval_every=10, interval=0.02, seeds=2,
                         conditions="dmoe_0ms,dmoe_100ms_fail10")  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:

@@ -1,6 +1,6 @@
 """Learning@home, throughput against latency: DMoE against model-parallel pipelines.
 
-The experiment of Ryabinin & Gusev (2020), section 4.1, on this machine: a stack of
+The throughput experiment of Ryabinin & Gusev (2020) on this machine: a stack of
 ``--layers`` (4) expert layers of ``ffn`` blocks (hidden ``--hidden``, 512) trained
 
 * **DMoE**: each layer a :class:`RemoteMixtureOfExperts` over ``--experts`` (4) experts
@@ -126,9 +126,9 @@ class Trainer:
 
 def measure_dmoe(args: argparse.Namespace, latencies: list[float]) -> tuple[list, list]:
     with SimSwarm(seed=1) as swarm:
-        # trainers join first: the servers' declarations then land on the nodes nearest to
-        # each key in the whole swarm (records stored before 40 more nodes join can end up
-        # outside the 20 nodes a lookup asks, until the servers re-declare 30 s later)
+        # trainers join first, so that the servers declare their experts to the whole
+        # swarm (with the servers first, one early run had a trainer's first beam search
+        # find no expert of a layer; see docs/reproductions.md)
         trainers = [Trainer(swarm, args, seed) for seed in range(args.trainers)]
         for s in range(args.servers):
             swarm.server(expert_backends(args, s))
@@ -361,7 +361,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.small:
         defaults.update(
             layers=2, hidden=64, experts=2, k=1, servers=2, trainers=4, batch=8,
-            microbatches=2, latencies_ms="0,20", passes=1, measure=1.0, warmup=0.3,
+            microbatches=2, latencies_ms="0,20", passes=1, measure=0.6, warmup=0.2,
         )  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:

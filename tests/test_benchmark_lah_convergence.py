@@ -49,11 +49,11 @@ def test_small_run_ends_with_accuracy_curves_per_condition(tmp_path):
         assert CONDITION_KEYS <= set(summary), name
         assert 0.0 <= summary["final_accuracy_min"] <= summary["final_accuracy_max"] <= 1.0
         steps = [step for step, _ in summary["median_curve"]]
-        assert steps[:2] == [10, 20] and 20 < steps[-1] <= 30, name
+        assert steps == [10, 20], name
     # a batch is lost only when every expert of a sample, or of a layer's backward, failed
     assert conditions["dmoe_0ms"]["lost_batches"] == 0
-    assert conditions["dmoe_100ms_fail10"]["lost_batches"] <= 6  # of 60
-    assert conditions["dense"]["final_accuracy_median"] > 0.3  # 30 steps learn something
+    assert conditions["dmoe_100ms_fail10"]["lost_batches"] <= 4  # of 40
+    assert conditions["dense"]["final_accuracy_median"] > 0.3  # 20 steps learn something
     assert conditions["dense"]["staleness_median"] == 0
     dmoe, dense = figures["parameters"]["dmoe"], figures["parameters"]["dense"]
     assert abs(dmoe - dense) / dense < 0.02  # equal parameter counts, up to the gates
