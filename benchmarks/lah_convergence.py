@@ -347,7 +347,9 @@ def at_step(curve: list[tuple[int, float]], step: int) -> float:
     return max(((s, a) for s, a in curve if s <= step), default=(0, 0.0))[1]
 
 
-def plot(path: Path, curves: dict[str, list[list[tuple[int, float]]]], title: str) -> bool:
+def plot(
+    path: Path, curves: dict[str, list[list[tuple[int, float]]]], eval_every: int, title: str
+) -> bool:
     try:
         import matplotlib
 
@@ -358,7 +360,7 @@ def plot(path: Path, curves: dict[str, list[list[tuple[int, float]]]], title: st
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, runs in curves.items():
-        steps = sorted({s for run in runs for s, _ in run})
+        steps = list(range(eval_every, max(s for run in runs for s, _ in run) + 1, eval_every))
         accs = [[at_step(run, s) for run in runs] for s in steps]
         med = [statistics.median(values) for values in accs]
         lo, hi = [min(values) for values in accs], [max(values) for values in accs]
@@ -488,7 +490,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"digits, {args.layers} DMoE layers of {GRID[0] * GRID[1]} ffn experts (hidden "
             f"{args.hidden}), median and range of {args.seeds} seeds"
         )
-        if plot(Path(args.plot), {n: [r["curve"] for r in rs] for n, rs in runs.items()}, title):
+        curves = {n: [r["curve"] for r in rs] for n, rs in runs.items()}
+        if plot(Path(args.plot), curves, args.eval_every, title):
             print(f"plot: {args.plot}")
     print(json.dumps(figures))
     return figures
