@@ -127,8 +127,8 @@ class Trainer:
 def measure_dmoe(args: argparse.Namespace, latencies: list[float]) -> tuple[list, list]:
     with SimSwarm(seed=1) as swarm:
         # trainers join first, so that the servers declare their experts to the whole
-        # swarm (with the servers first, one early run had a trainer's first beam search
-        # find no expert of a layer; see docs/reproductions.md)
+        # swarm: with the servers first, 26 of 48 trainers found no record of 'lah2.'
+        # (an unexplained DHT problem, see docs/reproductions.md)
         trainers = [Trainer(swarm, args, seed) for seed in range(args.trainers)]
         for s in range(args.servers):
             swarm.server(expert_backends(args, s))
