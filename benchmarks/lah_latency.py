@@ -128,7 +128,7 @@ def measure_dmoe(args: argparse.Namespace, latencies: list[float]) -> tuple[list
     with SimSwarm(seed=1) as swarm:
         # trainers join first, so that the servers declare their experts to the whole
         # swarm: with the servers first, 26 of 48 trainers found no record of 'lah2.'
-        # (an unexplained DHT problem, see docs/reproductions.md)
+        # (records are handed to newcomers once a second at most: docs/reproductions.md)
         trainers = [Trainer(swarm, args, seed) for seed in range(args.trainers)]
         for s in range(args.servers):
             swarm.server(expert_backends(args, s))
