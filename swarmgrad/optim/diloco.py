@@ -68,7 +68,7 @@ from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.compression.base import CompressionInfo
 from swarmgrad.dht.dht import DHT
-from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, merge_offenders
+from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_fields
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
@@ -678,16 +678,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.metrics.report_loss(loss)
 
     def _collect_metrics(self) -> dict[str, Any]:
-        averagers = [self.state_averager, *(f.averager for f in self.fragments)]
-        return {
-            "role": "client" if self.client_mode else "trainer",
-            "client_mode": self.client_mode,
-            "epoch": self.local_epoch,
-            "samples_per_second": float(self.tracker.performance_ema.samples_per_second),
-            "rounds_ok": sum(a.rounds_succeeded for a in averagers),
-            "rounds_failed": sum(a.rounds_failed for a in averagers),
-            "offenders": merge_offenders(*(a.offenders for a in averagers)),
-        }
+        return training_fields(
+            "client" if self.client_mode else "trainer",
+            self.client_mode,
+            self.local_epoch,
+            self.tracker.performance_ema.samples_per_second,
+            [self.state_averager, *(f.averager for f in self.fragments)],
+        )
 
     # ------------------------------------------------------------------ shutting down
 

@@ -142,6 +142,23 @@ def merge_offenders(*sources: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
     return dict(worst[:MAX_OFFENDERS_LISTED])
 
 
+def training_fields(
+    role: str, client_mode: bool, epoch: int, samples_per_second: float, averagers: Any
+) -> dict[str, Any]:
+    """The record fields a collaborative optimizer knows, from its averagers' counters
+    (shared by ``Optimizer`` and ``DiLoCoOptimizer``)."""
+    averagers = list(averagers)
+    return {
+        "role": role,
+        "client_mode": client_mode,
+        "epoch": epoch,
+        "samples_per_second": float(samples_per_second),
+        "rounds_ok": sum(a.rounds_succeeded for a in averagers),
+        "rounds_failed": sum(a.rounds_failed for a in averagers),
+        "offenders": merge_offenders(*(a.offenders for a in averagers)),
+    }
+
+
 def is_scalar_loss(loss: Any) -> bool:
     """Whether a closure's result can go in a record (a number or a one-element tensor)."""
     if hasattr(loss, "numel") and hasattr(loss, "detach"):

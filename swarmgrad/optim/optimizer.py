@@ -57,7 +57,7 @@ from swarmgrad.dht.dht import DHT
 from swarmgrad.optim.diloco_mode import diloco_from_optimizer_arguments
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
-from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, merge_offenders
+from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_fields
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.optim.progress import LocalTrainingProgress
@@ -516,15 +516,13 @@ class Optimizer(torch.optim.Optimizer):
         the event loop thread by the MetricsPublisher)."""
         averagers = [a for a in (self.state_averager, self.grad_averager) if a is not None]
         role = "auxiliary" if self.auxiliary else "client" if self.client_mode else "trainer"
-        return {
-            "role": role,
-            "client_mode": self.client_mode,
-            "epoch": self.local_epoch,
-            "samples_per_second": float(self.tracker.performance_ema.samples_per_second),
-            "rounds_ok": sum(a.rounds_succeeded for a in averagers),
-            "rounds_failed": sum(a.rounds_failed for a in averagers),
-            "offenders": merge_offenders(*(a.offenders for a in averagers)),
-        }
+        return training_fields(
+            role,
+            self.client_mode,
+            self.local_epoch,
+            self.tracker.performance_ema.samples_per_second,
+            averagers,
+        )
 
     def _accumulate(self, batch_size: int, grad_scaler: GradScaler | None) -> bool:
         """Add this batch's gradients; False (and a reset) if they are not finite."""
