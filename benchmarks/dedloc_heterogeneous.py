@@ -52,12 +52,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +65,7 @@ REPO = HERE.parent
 PEER = HERE / "_dedloc_peer.py"
 sys.path.insert(0, str(HERE))
 
+from _child_process import JsonLinesProcess  # noqa: E402
 from _star_lab import StarLab, lab_unavailable_reason  # noqa: E402
 
 MODES = ("equal", "adaptive")
@@ -151,52 +150,11 @@ def model_round_seconds(numel: int, peers: tuple[PeerSpec, ...], spans: tuple[in
 # ------------------------------------------------------------------ processes
 
 
-class Proc:
-    """A child process whose stdout JSON lines are collected by a thread."""
+class Proc(JsonLinesProcess):
+    """A peer process (see ``_child_process``), one BLAS thread each."""
 
     def __init__(self, argv: list[str], log_path: Path | None):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        self._log = open(log_path, "w") if log_path else None
-        self.process = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=self._log or subprocess.DEVNULL,
-            text=True,
-            env=env,
-            start_new_session=True,  # killed with its whole process group
-        )
-        self.lines: queue.Queue = queue.Queue()
-        self.events: list[dict] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line.strip())
-            try:
-                self.events.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-
-    def first_line(self, timeout: float) -> str:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"{self.process.args[-3:]} printed nothing in {timeout} s") from None
-
-    def of_kind(self, kind: str) -> list[dict]:
-        return [e for e in list(self.events) if e.get("event") == kind]
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait(10)
-        if self._log is not None:
-            self._log.close()
+        super().__init__(argv, log_path, env={"OMP_NUM_THREADS": "1"})
 
 
 def measure_solo(peers: tuple[PeerSpec, ...], hidden: int, steps: int) -> list[float]:

@@ -41,12 +41,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -54,6 +52,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from _child_process import JsonLinesProcess  # noqa: E402
 from _star_lab import HUB_ADDR, StarLab, lab_unavailable_reason  # noqa: E402
 from _tiny_lm import untrained_loss  # noqa: E402
 
@@ -67,53 +66,14 @@ BOOTSTRAP = (
 )
 
 
-class Proc:
-    """A child process whose stdout JSON lines are collected by a thread."""
-
-    def __init__(self, argv: list[str], log_path: Path | None):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env=env,
-            start_new_session=True,  # killed with its whole process group
-        )
-        self.lines: queue.Queue = queue.Queue()
-        self.events: list[dict] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line.strip())
-            try:
-                self.events.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-
-    def first_line(self, timeout: float) -> str:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"{self.process.args[-3:]} printed nothing in {timeout} s") from None
+class Proc(JsonLinesProcess):
+    """A peer process (see ``_child_process``) and the events this benchmark reads."""
 
     def epochs(self) -> dict[int, dict]:
-        return {e["epoch"]: e for e in list(self.events) if e.get("event") == "epoch"}
+        return {e["epoch"]: e for e in self.of_kind("epoch")}
 
     def done(self) -> bool:
-        return any(e.get("event") == "done" for e in list(self.events))
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait(10)
+        return bool(self.of_kind("done"))
 
 
 class Network:
