@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -73,12 +73,16 @@ class ChildProcess:
         stop_all([self], sig, timeout)
 
 
-def spawn(name: str, *args: str, log_path: str | None = None) -> ChildProcess:
-    """Start ``swarmgrad ARGS`` with this interpreter; stderr to ``log_path`` if given."""
+def spawn(
+    name: str, *args: str, log_path: str | None = None, prefix: Sequence[str] = ()
+) -> ChildProcess:
+    """Start ``swarmgrad ARGS`` with this interpreter; stderr to ``log_path`` if given;
+    ``prefix`` runs it through another command (``ip netns exec NS``, which execs it, so
+    the process is still ours to signal)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     log = open(log_path, "w") if log_path else None  # closed by stop_all
     popen = subprocess.Popen(
-        [sys.executable, "-m", "swarmgrad.cli.main", *args],
+        [*prefix, sys.executable, "-m", "swarmgrad.cli.main", *args],
         stdout=subprocess.PIPE,
         stderr=log if log is not None else subprocess.STDOUT,
         text=True,

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarmgrad.cli.demo_nat import DemoNat
 from swarmgrad.cli.demo_processes import ChildProcess, spawn, stop_all
 
 __all__ = ["add_arguments", "run"]
@@ -91,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="port of the dashboard (swarmgrad monitor) on 127.0.0.1 (default 0: any free one)",
     )  # fmt: skip
     parser.add_argument("--no-monitor", action="store_true", help="start no dashboard")
+    parser.add_argument(
+        "--no-nat",
+        action="store_true",
+        help="run the client-mode trainer on loopback, not behind a real NAT (which needs "
+        "Linux, root and nftables; without them the demo does this by itself)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -161,10 +168,22 @@ class _Swarm:
         self.events: queue.Queue = queue.Queue()
         self.bootstrap = ""
         self.monitor_url: str | None = None
+        self.nat: DemoNat | None = None  # the client trainer's NAT, when built
+        self.listen_host = "127.0.0.1"  # the NAT's host side when there is one
+
+    def start_nat(self) -> str:
+        """Build the client trainer's NAT unless told not to; says what the client gets."""
+        if self.args.no_nat:
+            return "on loopback (--no-nat)"
+        self.nat, reason = DemoNat.create()
+        if self.nat is None:
+            return f"on loopback: no real NAT here ({reason})"
+        self.listen_host = self.nat.host_addr
+        return self.nat.describe()
 
     def start_bootstrap(self) -> str:
         boot = spawn(
-            "bootstrap peer", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+            "bootstrap peer", "dht", "--host-maddrs", f"/ip4/{self.listen_host}/tcp/0",
             log_path=str(self.workdir / "bootstrap.log"),
         )  # fmt: skip
         self.processes.append(boot)
@@ -201,7 +220,6 @@ class _Swarm:
             "--module-options", *options,
             "--run-id", "swarmgrad-demo",
             "--initial-peers", self.bootstrap,
-            "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--target-batch-size", str(a.target_batch_size),
             "--batch-size", str(a.batch_size),
             "--matchmaking-time", "1",
@@ -214,12 +232,16 @@ class _Swarm:
             "--metrics-period", "2",  # for the dashboard
             "--log-level", "WARNING",
         ]  # fmt: skip
+        behind_nat = role == "client mode" and self.nat is not None
+        host = self.nat.home_addr if behind_nat and self.nat else self.listen_host
+        argv += ["--host-maddrs", f"/ip4/{host}/tcp/0"]
         if role == "client mode":
             argv.append("--client-mode")
         if a.mode == "local":
             argv.append("--use-local-updates")
         log = str(self.workdir / f"trainer-{index}.log")
-        process = spawn(f"trainer {index}", *argv, log_path=log)
+        prefix = self.nat.command_prefix() if behind_nat and self.nat else ()
+        process = spawn(f"trainer {index}", *argv, log_path=log, prefix=prefix)
         self.processes.append(process)
         trainer = _Trainer(index, process, role, time.monotonic())
         self.trainers.append(trainer)
@@ -227,6 +249,7 @@ class _Swarm:
             target=self._read, args=(trainer,), name=f"demo-{trainer.name}-events", daemon=True
         ).start()
         suffix = f", {role}" if role else ""
+        suffix += " behind the NAT" if behind_nat else ""
         print(f"started trainer {index} (pid {process.pid}{suffix})", flush=True)
         return trainer
 
@@ -241,6 +264,8 @@ class _Swarm:
 
     def stop(self, timeout: float = 30.0) -> None:
         stop_all(self.processes, signal.SIGTERM, timeout)
+        if self.nat is not None:
+            self.nat.close()
 
 
 # ---------------------------------------------------------------------- the run
@@ -297,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         began = time.monotonic()
+        print(f"the client-mode trainer runs {swarm.start_nat()}", flush=True)
         swarm.start_bootstrap()
         if not args.no_monitor:
             swarm.start_monitor()
