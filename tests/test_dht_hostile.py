@@ -156,6 +156,54 @@ def test_find_may_skip_records_and_bad_skip_lists_are_refused_by_name(arun):
     arun(main)
 
 
+def test_find_with_known_versions_answers_only_newer_entries_and_refuses_bad_lists(arun):
+    """An asker that lists the dictionary entries it holds gets only newer ones (an empty
+    dictionary when nothing is newer: "I have the key"); a malformed list is refused,
+    naming ``known``, and the node keeps serving."""
+
+    async def main():
+        node, attacker, addr = await node_and_attacker()
+        key = serialize("progress")
+        now = get_dht_time()
+        subs = [serialize(f"peer{i}") for i in range(4)]
+        items = [StoreItem(key, sub, serialize(i), now + 60 + i) for i, sub in enumerate(subs)]
+        assert await remote_store(attacker, addr, items) == [None] * 4
+        key_id = DHTID.generate(key)
+
+        async def entries(known):
+            request = protocol.encode_find([key_id], known={0: known} if known else None)
+            reply = await attacker.call(addr, protocol.FIND, request, timeout=5)
+            (answer,) = protocol.decode_find_result(reply, 1)
+            return {sub for sub, _, _ in answer.record.dictionary}
+
+        digest = protocol.subkey_digest
+        assert await entries(None) == set(subs)
+        held = [(digest(sub), now + 60 + i) for i, sub in enumerate(subs)]
+        assert await entries(held) == set()  # nothing newer, but the key is there
+        assert await entries(held[:2]) == set(subs[2:])
+        older = [(digest(subs[0]), now + 59), *held[1:]]
+        assert await entries(older) == {subs[0]}
+        newer_than_stored = [(digest(sub), now + 999) for sub in subs]
+        assert await entries(newer_than_stored) == set()
+        for bad in (
+            "x",
+            [[0]],
+            [[1, []]],
+            [[0, [[b"short", 1.0]]]],
+            [[0, [[b"8 bytes!", math.nan]]]],
+            [[0, [[b"8 bytes!", True]]]],
+            [[True, []]],
+            [[0, [[b"8 bytes!", 1.0]] * (protocol.MAX_KNOWN + 1)]],
+        ):
+            request = {**protocol.encode_find([key_id]), "known": bad}
+            with pytest.raises(RemoteError, match="known"):
+                await attacker.call(addr, protocol.FIND, request, timeout=5)
+        await well_behaved_round_trip(attacker, addr, "after-known")
+        await stop(node, attacker)
+
+    arun(main)
+
+
 def test_odd_expirations_are_refused_per_record_with_a_reason(arun):
     async def main():
         node, attacker, addr = await node_and_attacker()

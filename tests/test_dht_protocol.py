@@ -40,6 +40,8 @@ def test_decoders_accept_or_raise_protocol_violation_on_any_input(message):
         lambda m: protocol.decode_store_result(m, 1),
         lambda m: protocol.decode_find_result(m, 1),
         lambda m: protocol.skipped_records(m, 2),
+        lambda m: protocol.known_versions(m, 2),
+        lambda m: protocol.known_versions({"known": m}, 2),
     ):
         try:
             decode(message)
@@ -65,6 +67,27 @@ def test_store_and_find_messages_round_trip():
     ]
     encoded = protocol.encode_find_result(answers)
     assert protocol.decode_find_result(encoded, 3) == answers
+
+
+_versions = st.lists(
+    st.tuples(
+        st.binary(min_size=protocol.DIGEST_BYTES, max_size=protocol.DIGEST_BYTES),
+        st.floats(allow_nan=False, allow_infinity=False),
+    ),
+    max_size=6,
+)
+
+
+@given(st.dictionaries(st.integers(0, 3), _versions, max_size=4))
+def test_known_versions_round_trip_keeping_each_digests_latest(known):
+    key_ids = [DHTID.generate(bytes([i])) for i in range(4)]
+    decoded = protocol.known_versions(protocol.encode_find(key_ids, known=known), 4)
+    expected: dict = {}  # an empty ``known`` is not sent at all
+    for index, versions in known.items():
+        table = expected.setdefault(index, {})
+        for digest, exp in versions:
+            table[digest] = max(exp, table.get(digest, -float("inf")))
+    assert decoded == expected
 
 
 def test_oversized_batches_and_bad_ids_are_refused():

@@ -8,6 +8,7 @@ import random
 import statistics
 import time
 
+from swarmgrad.dht import protocol
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.sim import run_simulation
 from swarmgrad.net.sim.backend import create_sim_peer
@@ -99,6 +100,51 @@ def test_latest_get_sees_every_subkey_stored_concurrently():
 
     for result in run_simulation(main, seed=1, latency=0.02):
         assert {k: v.value for k, v in result.value.items()} == {f"peer{i}": i for i in range(8)}
+
+
+def test_a_repeated_latest_get_hears_only_of_changed_entries_and_sees_them_all(monkeypatch):
+    """The second latest-get of a dictionary names the entries it holds; the replicas send
+    back only the updated and the new ones, and the result is the whole fresh view."""
+    sent_entries: list[int] = []
+    encode = protocol.encode_find_result
+
+    def counting(answers):
+        sent_entries.extend(
+            len(a.record.dictionary)
+            for a in answers
+            if a.record and a.record.dictionary is not None
+        )
+        return encode(answers)
+
+    monkeypatch.setattr(protocol, "encode_find_result", counting)
+
+    async def main(network):
+        rng = random.Random(4)
+        nodes = await build_swarm(network, 30, rng)
+        now = nodes[0].time_fn()
+        writers, reader = nodes[:8], nodes[-1]
+        for i, w in enumerate(writers):
+            await w.store("progress", {"epoch": 1}, now + 600, subkey=f"peer{i}")
+        first = await reader.get("progress", latest=True)
+        first_sent = sum(sent_entries)
+        sent_entries.clear()
+        for i in (2, 5):
+            await writers[i].store("progress", {"epoch": 2}, now + 700, subkey=f"peer{i}")
+        await writers[0].store("progress", {"epoch": 2}, now + 700, subkey="newcomer")
+        sent_entries.clear()  # only what the reader's get brings back counts
+        second = await reader.get("progress", latest=True)
+        await stop_all(nodes)
+        return first, first_sent, second, list(sent_entries)
+
+    first, first_sent, second, resent = run_simulation(main, seed=4, latency=0.02)
+    assert {k: v.value for k, v in first.value.items()} == {
+        f"peer{i}": {"epoch": 1} for i in range(8)
+    }
+    expected = {f"peer{i}": {"epoch": 2 if i in (2, 5) else 1} for i in range(8)}
+    expected["newcomer"] = {"epoch": 2}
+    assert {k: v.value for k, v in second.value.items()} == expected
+    assert first_sent >= 8 * 3  # several replicas sent all eight
+    assert resent and max(resent) <= 3 and sum(resent) < first_sent / 2, (first_sent, resent)
 
 
 def test_later_expiration_wins_and_deletes_hide_values():

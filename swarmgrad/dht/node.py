@@ -183,7 +183,8 @@ class DHTNode:
         self.max_expiration_ahead = max_expiration_ahead
         self.blacklist = Blacklist(blacklist_time, backoff_rate, time_fn)
         self._loop = asyncio.get_running_loop()
-        self._pending_finds: dict[PeerID, list[tuple[DHTID, asyncio.Future, int, bool]]] = {}
+        # peer -> [(key id, future, k, want record, known versions)] to send this tick
+        self._pending_finds: dict[PeerID, list[tuple]] = {}
         self._pending_gets: dict[tuple[DHTID, bool], asyncio.Future] = {}
         self._hot_cache_keys: dict[DHTID, bytes] = {}  # key id -> serialized key
         self._serialized_keys: dict[DHTID, bytes] = {}  # stored key ids -> serialized keys
@@ -290,7 +291,7 @@ class DHTNode:
             task.cancel()
         await asyncio.gather(*self._background, *self._tasks, return_exceptions=True)
         for waiters in self._pending_finds.values():
-            for _, future, _ in waiters:
+            for _, future, *_ in waiters:
                 future.cancel()
         self._pending_finds.clear()
 
@@ -448,16 +449,22 @@ class DHTNode:
         return True
 
     def _find(
-        self, peer_id: PeerID, key_id: DHTID, k: int, want_record: bool = True
+        self,
+        peer_id: PeerID,
+        key_id: DHTID,
+        k: int,
+        want_record: bool = True,
+        known: tuple[tuple[bytes, float], ...] | None = None,
     ) -> asyncio.Future:
-        """Ask a node about a key (its record unless ``want_record`` is False, and its k
-        nearest nodes); requests to one node in one loop tick share an RPC."""
+        """Ask a node about a key (its record unless ``want_record`` is False, only the
+        dictionary entries newer than ``known`` if given, and its k nearest nodes);
+        requests to one node in one loop tick share an RPC."""
         future = self._loop.create_future()
         pending = self._pending_finds.get(peer_id)
         if pending is None:
             pending = self._pending_finds[peer_id] = []
             self._loop.call_soon(self._flush_finds, peer_id)
-        pending.append((key_id, future, k, want_record))
+        pending.append((key_id, future, k, want_record, known))
         return future
 
     def _flush_finds(self, peer_id: PeerID) -> None:
@@ -466,15 +473,26 @@ class DHTNode:
             self._spawn(self._send_finds(peer_id, batch))
 
     async def _send_finds(
-        self, peer_id: PeerID, batch: list[tuple[DHTID, asyncio.Future, int, bool]]
+        self,
+        peer_id: PeerID,
+        batch: list[tuple[DHTID, asyncio.Future, int, bool, tuple | None]],
     ) -> None:
-        key_ids = list(dict.fromkeys(key_id for key_id, _, _, _ in batch))[: protocol.MAX_BATCH]
-        k = max(k for _, _, k, _ in batch)
-        wanted = {key_id for key_id, _, _, want in batch if want}
+        key_ids = list(dict.fromkeys(item[0] for item in batch))[: protocol.MAX_BATCH]
+        k = max(item[2] for item in batch)
+        wanted = {item[0] for item in batch if item[3]}
+        # a key asked twice in one tick with different known versions is asked in full
+        known_of: dict[DHTID, tuple | None] = {}
+        for key_id, _, _, _, known in batch:
+            known_of[key_id] = known if known_of.get(key_id, known) == known else None
         answers_by_key: dict[DHTID, FindAnswer] = {}
         try:
             skip = [i for i, key_id in enumerate(key_ids) if key_id not in wanted]
-            request = protocol.encode_find(key_ids, k, skip_records=skip)
+            known_by_index = {
+                i: list(known_of[key_id])
+                for i, key_id in enumerate(key_ids)
+                if key_id in wanted and known_of.get(key_id)
+            }
+            request = protocol.encode_find(key_ids, k, skip_records=skip, known=known_by_index)
             response = await self._call(peer_id, protocol.FIND, request)
             if response is not None:
                 answers = protocol.decode_find_result(response, len(key_ids))
@@ -483,7 +501,7 @@ class DHTNode:
             logger.debug("bad find answer from %s: %s", peer_id, e)
             self.blacklist.register_failure(peer_id)
         finally:
-            for key_id, future, _, _ in batch:
+            for key_id, future, *_ in batch:
                 if not future.done():
                     future.set_result(answers_by_key.get(key_id))
 
@@ -497,9 +515,11 @@ class DHTNode:
         latest: bool = False,
         k: int | None = None,
         alpha: int | None = None,
+        known_versions: tuple[tuple[bytes, float], ...] | None = None,
     ) -> LookupResult:
-        """Iterative parallel lookup of the ``k`` nearest nodes to key_id (and its record),
-        with ``alpha`` (default parallel_rpc) requests in flight."""
+        """Iterative parallel lookup of the ``k`` nearest nodes to key_id (and its record,
+        only entries newer than ``known_versions`` if given), with ``alpha`` (default
+        parallel_rpc) requests in flight."""
         k = k or self.bucket_size
         alpha = alpha or self.parallel_rpc
         hop_of: dict[PeerID, int] = {}
@@ -533,7 +553,7 @@ class DHTNode:
                 if len(in_flight) >= alpha:
                     break
                 queried.add(peer_id)
-                in_flight[self._find(peer_id, key_id, k, find_value)] = peer_id
+                in_flight[self._find(peer_id, key_id, k, find_value, known_versions)] = peer_id
             if not in_flight:
                 break
             finished, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
@@ -773,15 +793,25 @@ class DHTNode:
         # fails to answer is replaced by the next one anyway). It will ask every one of
         # them, so it asks them all at once.
         width = min(self.bucket_size, self.num_replicas + 2) if latest else None
-        lookup = await self._lookup(key_id, find_value=True, latest=latest, k=width, alpha=width)
-        records = [record for _, record in lookup.records]
+        # A latest-get names the dictionary entries it already holds (validated when they
+        # came in) and hears only of newer ones; what it holds is merged in below.
         local = self._local_record(key_id)
+        known = None
+        if latest and local is not None and local.dictionary:
+            known = tuple((protocol.subkey_digest(s), e) for s, _, e in local.dictionary)
+        lookup = await self._lookup(
+            key_id, find_value=True, latest=latest, k=width, alpha=width, known_versions=known
+        )
+        records = [record for _, record in lookup.records]
+        local = self._local_record(key_id)  # it may have changed during the lookup
         if local is not None:
             records.append(local)
         valid = [v for v in (self._valid_part(key_bytes, r) for r in records) if v is not None]
         if not valid:
             return None
         merged = _merge_records(valid)
+        if merged.dictionary == ():  # "nothing newer", and what we held has expired since
+            return None
         if self.cache_locally:
             self._cache_record(key_id, merged)
             self._hot_cache_keys[key_id] = key_bytes
@@ -882,6 +912,7 @@ class DHTNode:
         key_ids = protocol.decode_find(request)
         k = protocol.requested_neighbors(request, self.bucket_size)
         skipped = protocol.skipped_records(request, len(key_ids))
+        known = protocol.known_versions(request, len(key_ids))
         self._heard_from(context.remote_id, request.get("sender"))
         requester = DHTID.for_peer(context.remote_id)
         entries = self._answer_entries_now()
@@ -889,7 +920,10 @@ class DHTNode:
         budget = protocol.MAX_ANSWER_RECORD_BYTES
         for index, key_id in enumerate(key_ids):
             nearest = self.routing.get_nearest_neighbors(key_id, k, exclude=requester)
-            record = None if index in skipped else _fit_record(self._local_record(key_id), budget)
+            record = None
+            if index not in skipped:
+                record = _newer_than(self._local_record(key_id), known.get(index))
+                record = _fit_record(record, budget)
             budget -= _record_size(record)
             listed = [entries.get(p) or self._answer_entry(p) for _, p in nearest]
             answers.append(FindAnswer(record, tuple(listed)))
@@ -976,6 +1010,19 @@ def _record_from_storage(entry: ValueWithExpiration) -> FoundRecord | None:
     if value is None:
         return None
     return FoundRecord(value=value, expiration_time=entry.expiration_time)
+
+
+def _newer_than(record: FoundRecord | None, known: dict[bytes, float] | None) -> FoundRecord | None:
+    """A dictionary record without the entries the asker holds in that version or a
+    later one; an empty dictionary (not None) says "I have the key, nothing newer", so
+    the asker does not take this node for one that lacks the record."""
+    if record is None or known is None or record.dictionary is None:
+        return record
+    digest = protocol.subkey_digest
+    entries = tuple(
+        entry for entry in record.dictionary if known.get(digest(entry[0]), -math.inf) < entry[2]
+    )
+    return record if len(entries) == len(record.dictionary) else FoundRecord(dictionary=entries)
 
 
 def _entry_size(subkey: bytes, value: bytes) -> int:
