@@ -204,6 +204,48 @@ def test_find_with_known_versions_answers_only_newer_entries_and_refuses_bad_lis
     arun(main)
 
 
+def test_find_leaves_out_the_nodes_the_asker_knows_and_refuses_bad_lists(arun):
+    """``known_nodes``: the nearest nodes of an answer leave out those the asker named by
+    prefix (they are its candidates already); malformed lists are refused by name."""
+
+    async def main():
+        node = await DHTNode.create(await Peer.create(), [])
+        addr = node.peer.get_visible_maddrs()[0]
+        others = [await DHTNode.create(await Peer.create(), [str(addr)]) for _ in range(3)]
+        attacker = await Peer.create()
+        key_id = DHTID.generate(serialize("anything"))
+
+        async def listed(known_nodes):
+            request = protocol.encode_find([key_id], known_nodes=known_nodes)
+            reply = await attacker.call(addr, protocol.FIND, request, timeout=5)
+            (answer,) = protocol.decode_find_result(reply, 1)
+            return {peer for peer, _ in answer.nearest}
+
+        everyone = {o.peer.peer_id for o in others}
+        assert await listed(None) == everyone
+        first = others[0].peer.peer_id
+        prefix = protocol.node_prefix(DHTID.for_peer(first))
+        assert await listed({0: [prefix]}) == everyone - {first}
+        for bad in (
+            "x",
+            [[0]],
+            [[2, []]],
+            [[0, [b"short"]]],
+            [[0, ["8 chars!"]]],
+            [[0, [b"8 bytes!"] * (protocol.MAX_KNOWN_NODES + 1)]],
+        ):
+            request = {**protocol.encode_find([key_id]), "known_nodes": bad}
+            with pytest.raises(RemoteError, match="known_nodes"):
+                await attacker.call(addr, protocol.FIND, request, timeout=5)
+        await well_behaved_round_trip(attacker, addr, "after-known-nodes")
+        for other in others:
+            await other.shutdown()
+            await other.peer.shutdown()
+        await stop(node, attacker)
+
+    arun(main)
+
+
 def test_odd_expirations_are_refused_per_record_with_a_reason(arun):
     async def main():
         node, attacker, addr = await node_and_attacker()

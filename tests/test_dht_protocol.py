@@ -42,6 +42,7 @@ def test_decoders_accept_or_raise_protocol_violation_on_any_input(message):
         lambda m: protocol.skipped_records(m, 2),
         lambda m: protocol.known_versions(m, 2),
         lambda m: protocol.known_versions({"known": m}, 2),
+        lambda m: protocol.known_node_prefixes({"known_nodes": m}, 2),
     ):
         try:
             decode(message)

@@ -455,16 +455,17 @@ class DHTNode:
         k: int,
         want_record: bool = True,
         known: tuple[tuple[bytes, float], ...] | None = None,
+        known_nodes: frozenset[bytes] = frozenset(),
     ) -> asyncio.Future:
         """Ask a node about a key (its record unless ``want_record`` is False, only the
-        dictionary entries newer than ``known`` if given, and its k nearest nodes);
-        requests to one node in one loop tick share an RPC."""
+        dictionary entries newer than ``known`` if given, and its k nearest nodes but
+        those in ``known_nodes``); requests to one node in one loop tick share an RPC."""
         future = self._loop.create_future()
         pending = self._pending_finds.get(peer_id)
         if pending is None:
             pending = self._pending_finds[peer_id] = []
             self._loop.call_soon(self._flush_finds, peer_id)
-        pending.append((key_id, future, k, want_record, known))
+        pending.append((key_id, future, k, want_record, known, known_nodes))
         return future
 
     def _flush_finds(self, peer_id: PeerID) -> None:
@@ -480,10 +481,13 @@ class DHTNode:
         key_ids = list(dict.fromkeys(item[0] for item in batch))[: protocol.MAX_BATCH]
         k = max(item[2] for item in batch)
         wanted = {item[0] for item in batch if item[3]}
-        # a key asked twice in one tick with different known versions is asked in full
+        # a key asked twice in one tick with different known versions is asked in full,
+        # and leaves out only the nodes every one of its lookups knows
         known_of: dict[DHTID, tuple | None] = {}
-        for key_id, _, _, _, known in batch:
+        nodes_of: dict[DHTID, frozenset[bytes]] = {}
+        for key_id, _, _, _, known, known_nodes in batch:
             known_of[key_id] = known if known_of.get(key_id, known) == known else None
+            nodes_of[key_id] = nodes_of.get(key_id, known_nodes) & known_nodes
         answers_by_key: dict[DHTID, FindAnswer] = {}
         try:
             skip = [i for i, key_id in enumerate(key_ids) if key_id not in wanted]
@@ -492,7 +496,14 @@ class DHTNode:
                 for i, key_id in enumerate(key_ids)
                 if key_id in wanted and known_of.get(key_id)
             }
-            request = protocol.encode_find(key_ids, k, skip_records=skip, known=known_by_index)
+            nodes_by_index = {
+                i: sorted(nodes_of[key_id])[: protocol.MAX_KNOWN_NODES]
+                for i, key_id in enumerate(key_ids)
+                if nodes_of.get(key_id)
+            }
+            request = protocol.encode_find(
+                key_ids, k, skip_records=skip, known=known_by_index, known_nodes=nodes_by_index
+            )
             response = await self._call(peer_id, protocol.FIND, request)
             if response is not None:
                 answers = protocol.decode_find_result(response, len(key_ids))
@@ -546,6 +557,16 @@ class DHTNode:
                     chosen.append(peer_id)
             return chosen
 
+        prefix_cache: frozenset[bytes] | None = None
+
+        def seen_prefixes() -> frozenset[bytes]:
+            nonlocal prefix_cache
+            if prefix_cache is None or len(prefix_cache) != len(seen):
+                prefix_cache = frozenset(
+                    protocol.node_prefix(DHTID.for_peer(p)) for p in seen if p != self.peer_id
+                )
+            return prefix_cache
+
         queried: set[PeerID] = set()
         done = False
         while not done:
@@ -553,7 +574,10 @@ class DHTNode:
                 if len(in_flight) >= alpha:
                     break
                 queried.add(peer_id)
-                in_flight[self._find(peer_id, key_id, k, find_value, known_versions)] = peer_id
+                # every node seen is a candidate already: the answer need not list it
+                in_flight[
+                    self._find(peer_id, key_id, k, find_value, known_versions, seen_prefixes())
+                ] = peer_id
             if not in_flight:
                 break
             finished, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
@@ -913,6 +937,7 @@ class DHTNode:
         k = protocol.requested_neighbors(request, self.bucket_size)
         skipped = protocol.skipped_records(request, len(key_ids))
         known = protocol.known_versions(request, len(key_ids))
+        known_nodes = protocol.known_node_prefixes(request, len(key_ids))
         self._heard_from(context.remote_id, request.get("sender"))
         requester = DHTID.for_peer(context.remote_id)
         entries = self._answer_entries_now()
@@ -920,6 +945,10 @@ class DHTNode:
         budget = protocol.MAX_ANSWER_RECORD_BYTES
         for index, key_id in enumerate(key_ids):
             nearest = self.routing.get_nearest_neighbors(key_id, k, exclude=requester)
+            if index in known_nodes:
+                skip_nodes = known_nodes[index]
+                prefix = protocol.node_prefix
+                nearest = [(n, p) for n, p in nearest if prefix(n) not in skip_nodes]
             record = None
             if index not in skipped:
                 record = _newer_than(self._local_record(key_id), known.get(index))

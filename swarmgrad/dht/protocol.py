@@ -9,7 +9,9 @@
   dictionary's entries lists them (``known``: 8-byte subkey digests and expirations) and
   gets only the entries newer than those: a training run's progress dictionary, read
   every few seconds by every peer from every replica, came back whole each time although
-  one entry in four had changed, most of the bytes a DiLoCo peer sent.
+  one entry in four had changed, most of the bytes a DiLoCo peer sent. Likewise it names
+  the nodes it already knows as candidates (``known_nodes``: 8-byte node-id prefixes),
+  which the answer's nearest nodes leave out: their addresses were the rest.
 
 Node ids are never sent: a node's id is ``DHTID.for_peer(peer_id)`` of the PeerID that the
 connection authenticated, so nobody can claim a position in the id space. Keys, subkeys and
@@ -35,6 +37,8 @@ MAX_NEAREST = 64  # nodes per find answer
 MAX_ADDRS = 8  # addresses per node in a find answer
 MAX_KNOWN = 4096  # known entry versions per key in a find request
 DIGEST_BYTES = 8  # a subkey's digest in ``known``
+NODE_PREFIX_BYTES = 8  # a node id's prefix in ``known_nodes``
+MAX_KNOWN_NODES = 256  # per key in a find request
 # Record bytes per find answer: the whole answer must stay under the RPC layer's 16 MiB
 # metadata limit, however much is stored under the keys asked for.
 MAX_ANSWER_RECORD_BYTES = 8 * 1024 * 1024
@@ -181,6 +185,7 @@ def encode_find(
     k: int | None = None,
     skip_records: list[int] | None = None,
     known: dict[int, list[tuple[bytes, float]]] | None = None,
+    known_nodes: dict[int, list[bytes]] | None = None,
 ) -> dict:
     """``k``: how many nearest nodes the asker wants per key (the callee's bucket size if
     omitted); a narrow lookup asks for fewer and gets smaller answers. ``skip_records``:
@@ -188,7 +193,9 @@ def encode_find(
     store's lookup: a run's progress dictionary came back with every one of its
     lookups, which was most of what a DiLoCo peer sent). ``known``: per position, the
     (subkey digest, expiration) of dictionary entries the asker holds; the answer leaves
-    out entries no newer than those. Older nodes ignore both fields."""
+    out entries no newer than those. ``known_nodes``: per position, node-id prefixes
+    (:func:`node_prefix`) the answer's nearest nodes leave out. Older nodes ignore the
+    optional fields."""
     message: dict = {"keys": [key.to_bytes() for key in key_ids]}
     if k is not None:
         message["k"] = k
@@ -199,7 +206,47 @@ def encode_find(
             [index, [[digest, float(exp)] for digest, exp in versions]]
             for index, versions in known.items()
         ]
+    if known_nodes:
+        message["known_nodes"] = [[index, list(nodes)] for index, nodes in known_nodes.items()]
     return message
+
+
+def node_prefix(node_id: DHTID) -> bytes:
+    """What ``known_nodes`` names a node by. Hiding an honest node from someone's answers
+    this way would take an id whose prefix matches that node's: 2**64 work."""
+    return node_id.to_bytes()[:NODE_PREFIX_BYTES]
+
+
+def known_node_prefixes(message: Any, num_keys: int) -> dict[int, frozenset[bytes]]:
+    """The ``known_nodes`` of a find request: position -> node-id prefixes."""
+    raw = message.get("known_nodes") if isinstance(message, dict) else None
+    if raw is None:
+        return {}
+    if not isinstance(raw, list) or len(raw) > num_keys:
+        raise ProtocolViolation(f"find request: known_nodes must list at most {num_keys} keys")
+    known: dict[int, frozenset[bytes]] = {}
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 2:
+            raise _fail(
+                "find request", f"known_nodes holds {_short(item)}, not [position, prefixes]"
+            )
+        index, prefixes = item
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_keys:
+            raise _fail(
+                "find request", f"known_nodes names position {index!r}, not one < {num_keys}"
+            )
+        if (
+            not isinstance(prefixes, list)
+            or len(prefixes) > MAX_KNOWN_NODES
+            or not all(isinstance(p, bytes) and len(p) == NODE_PREFIX_BYTES for p in prefixes)
+        ):
+            raise _fail(
+                "find request",
+                f"known_nodes of key {index} must be a list of at most {MAX_KNOWN_NODES} "
+                f"{NODE_PREFIX_BYTES}-byte prefixes",
+            )
+        known[index] = known.get(index, frozenset()) | frozenset(prefixes)
+    return known
 
 
 def known_versions(message: Any, num_keys: int) -> dict[int, dict[bytes, float]]:
