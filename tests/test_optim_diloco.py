@@ -227,6 +227,45 @@ def test_streaming_fragments_sync_in_turn_and_keep_the_peers_close():
                 opt.shutdown()
 
 
+def test_a_fragment_due_while_the_peer_counts_only_itself_looks_again_and_syncs_with_all(
+    caplog,
+):
+    """Peer 0 read the run's progress before peer 1 reported and, with reads far apart,
+    still counts only itself when its first fragment is due: it reads once more and
+    syncs that fragment with peer 1, instead of alone (after which the copies differ
+    and the whole model is re-averaged)."""
+    slow_reads = {"min_refresh_period": 60, "max_refresh_period": 60, "default_refresh_period": 60}
+    with dht_swarm(2) as dhts:
+        models = [make_model(seed=0) for _ in dhts]
+        first = make_diloco(dhts[0], models[0], num_inner_steps=8, num_fragments=2,
+                            matchmaking_time=0.5, tracker_opts=slow_reads)  # fmt: skip
+        wait_until(lambda: first.tracker.fetched_global_progress_this_epoch.is_set(), 10, "read")
+        second = make_diloco(dhts[1], models[1], num_inner_steps=8, num_fragments=2,
+                             matchmaking_time=0.5)  # fmt: skip
+        opts = [first, second]
+        trainers = [
+            Trainer(opt, m, seed=i, until_epoch=1)
+            for i, (opt, m) in enumerate(zip(opts, models, strict=True))
+        ]
+        try:
+            wait_until(
+                lambda: second.tracker.refresh(timeout=5).num_peers == 2, 15, "peer 1 seeing 0"
+            )
+            assert first.tracker.global_progress.num_peers == 1
+            with caplog.at_level(logging.DEBUG, logger="swarmgrad.optim.diloco"):
+                for trainer in trainers:
+                    trainer.start()
+                for trainer in trainers:
+                    trainer.result()
+            text = caplog.text
+            assert "fragment 0 of epoch 0 averaged with nobody" not in text, text
+            assert text.count("fragment 0 of epoch 0 averaged with 2 peers") == 2, text
+            assert "differ across the group" not in text
+        finally:
+            for opt in opts:
+                opt.shutdown()
+
+
 @pytest.mark.parametrize(
     "codec", [Uniform8BitQuantization(), Blockwise4BitQuantization()], ids=repr
 )

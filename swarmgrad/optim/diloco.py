@@ -370,6 +370,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         for fragment in self.fragments[:-1]:  # streaming: the early fragments, in background
             due = (fragment.index + 1) / len(self.fragments)
             if fragment.synced_epoch < self.local_epoch:
+                if progress >= due and self._alone() and self._found_peers_on_a_last_look():
+                    # the target grew with the peers found: the fragment may not be due yet
+                    self.tracker.target_batch_size = self._target(
+                        self.tracker.global_progress.num_peers
+                    )
+                    progress = self._epoch_fraction()
                 if progress >= due:
                     self._launch(fragment)
                 else:
@@ -595,15 +601,27 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             for main, synced in zip(self.main_parameters, self._masters, strict=True):
                 main.copy_(synced.to(main.device))
 
+    def _alone(self) -> bool:
+        return self.tracker.global_progress.num_peers <= 1
+
+    def _found_peers_on_a_last_look(self) -> bool:
+        """About to sync alone: read the swarm's progress once more, since peers that
+        started with us may not be counted yet (a streaming run's first fragment, due a
+        few seconds after start, went alone on one peer of four, and every later round
+        then found the copies apart and re-averaged the whole model). True if it found
+        some."""
+        try:
+            self.tracker.refresh(timeout=self.matchmaking_time)
+        except Exception as e:
+            logger.debug("%s: refreshing progress failed: %r", self.run_id, e)
+        return not self._alone()
+
     def _outer_step(self) -> None:
         """The epoch is due: sync the last fragment (all of them when not streaming), wait
         for every round of this epoch, and move to the next epoch."""
         began = time.perf_counter()
-        if self.tracker.global_progress.num_peers <= 1:
-            try:  # about to sync alone: look once more for peers that started with us
-                self.tracker.refresh(timeout=self.matchmaking_time)
-            except Exception as e:
-                logger.debug("%s: refreshing progress failed: %r", self.run_id, e)
+        if self._alone():
+            self._found_peers_on_a_last_look()
         with self.tracker.pause_updates():
             for fragment in self.fragments:
                 if fragment.synced_epoch < self.local_epoch:
