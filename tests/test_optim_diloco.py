@@ -227,6 +227,30 @@ def test_streaming_fragments_sync_in_turn_and_keep_the_peers_close():
                 opt.shutdown()
 
 
+def test_the_epoch_fraction_follows_the_clock_when_counted_samples_lag():
+    """Streaming fragments are due at fractions of the epoch; counted samples lag behind
+    (reports are spaced), so the fraction is the further of samples and elapsed time
+    against the estimated end; with no estimate, samples alone."""
+    from swarmgrad.utils.timeutils import get_dht_time
+
+    with dht_swarm(1) as dhts:
+        opt = make_diloco(dhts[0], make_model(), num_inner_steps=8, num_fragments=4)
+        try:
+            progress = opt.tracker.global_progress
+            now = get_dht_time()
+            opt._epoch_began = now - 6.0
+            progress.samples_accumulated = 0
+            progress.eta_next_epoch = now + 6.0
+            assert opt._epoch_fraction() == pytest.approx(0.5, abs=0.02)
+            progress.samples_accumulated = opt.tracker.target_batch_size * 3 // 4
+            assert opt._epoch_fraction() == pytest.approx(0.75, abs=0.02)
+            progress.samples_accumulated = 0
+            progress.eta_next_epoch = float("inf")
+            assert opt._epoch_fraction() == 0.0
+        finally:
+            opt.shutdown()
+
+
 def test_a_fragment_due_while_the_peer_counts_only_itself_looks_again_and_syncs_with_all(
     caplog,
 ):
