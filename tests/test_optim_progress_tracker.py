@@ -197,22 +197,6 @@ def test_epoch_claimed_far_ahead_cannot_stall_the_swarm():
                 opt.shutdown()
 
 
-def test_reports_near_the_epochs_end_are_no_more_frequent_than_anyone_reads():
-    from swarmgrad.utils.timeutils import get_dht_time
-
-    with dht_swarm(1) as dhts:
-        tracker = ProgressTracker(
-            dhts[0], RUN, target_batch_size=100, min_refresh_period=0.5, start=False
-        )
-        try:
-            progress = tracker.global_progress
-            for left, expected in ((0.2, 0.5), (4.0, 2.0), (100.0, 10.0), (-1.0, 0.0)):
-                progress.eta_next_epoch = get_dht_time() + left
-                assert tracker._report_interval() == pytest.approx(expected, abs=0.01), left
-        finally:
-            tracker.shutdown()
-
-
 def test_reports_far_from_the_epochs_end_are_spaced_but_a_new_epoch_goes_out_at_once():
     """A record per step was most of what a DiLoCo peer sent; far from the epoch's end
     others extrapolate our rate, so more samples in the same epoch wait (up to half the

@@ -403,18 +403,15 @@ class ProgressTracker:
 
     def _report_interval(self) -> float:
         """How long a report of more samples in the same epoch may wait: half the time
-        left in the epoch (at most ``max_refresh_period``, at least
-        ``min_refresh_period``: nobody reads more often than that). Others extrapolate
-        our samples from our rate, so far from the epoch's end one report every few
-        seconds tells them as much as one per step; once the epoch is due (and before
-        anyone measured a rate) reports go out at once. A report per step was most of the
-        bytes a DiLoCo peer sent (benchmarks/slow_links.py), and in the last second of an
-        epoch, before the floor, still one per step."""
+        left in the epoch (at most ``max_refresh_period``). Others extrapolate our
+        samples from our rate, so far from the epoch's end one report every few seconds
+        tells them as much as one per step; near the end (and before anyone measured a
+        rate) reports go out at once. A report per step was most of the bytes a DiLoCo
+        peer sent (benchmarks/slow_links.py)."""
         eta = self.global_progress.eta_next_epoch - get_dht_time()
         if not math.isfinite(eta) or eta <= 0:
             return 0.0
-        rules = self.rules
-        return max(rules.min_refresh_period, min(rules.max_refresh_period, eta / 2))
+        return min(self.rules.max_refresh_period, eta / 2)
 
     async def _reporter(self) -> None:
         assert self._report_now is not None and self._epoch_moved is not None
