@@ -34,7 +34,8 @@ network, whose virtual time does not vary), ``ARL_MIXED_REPS`` (3; 1 simulated),
 the first repetition, for profiling ours), ``ARL_MIXED_MIN_TIMEOUT`` (30: the
 shortest wait for a stalled peer in the mixed-rate rounds; with the library's 5 s, a
 20 Mbit/s member whose whole connection went silent for 5 s was excluded from an
-equal-span round), ``ARL_LOG_DIR`` (the workers' stderr). Prints a table, the ratio per
+equal-span round), ``ARL_LOG_DIR`` (the workers' stderr), ``LAB_CC`` (the namespaces'
+TCP congestion control, ``cubic``; see ``_star_lab.py``). Prints a table, the ratio per
 target, and last one JSON line.
 """
 
@@ -54,7 +55,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _star_lab import StarLab, _bits_per_second, lab_unavailable_reason  # noqa: E402
+from _star_lab import (  # noqa: E402
+    StarLab,
+    _bits_per_second,
+    default_congestion_control,
+    lab_unavailable_reason,
+)
 
 CODECS = ("none", "float16", "uniform_8bit")
 MIXED_RATES = ("1gbit", "1gbit", "100mbit", "100mbit", "20mbit", "20mbit")
@@ -523,7 +529,11 @@ def main() -> None:
         flush=True,
     )
     if reason is None:
-        print("network lab: one namespace per peer, veth to a hub, tc tbf both ways", flush=True)
+        print(
+            "network lab: one namespace per peer, veth to a hub, tc tbf both ways, TCP "
+            f"congestion control {default_congestion_control()} (LAB_CC)",
+            flush=True,
+        )
         results = run_lab(plan, log_dir)
     else:
         print(
@@ -542,6 +552,7 @@ def main() -> None:
     summary = {
         "network": "lab" if reason is None else "sim",
         "fallback_reason": reason,
+        "congestion_control": default_congestion_control() if reason is None else None,
         "numel": plan["numel"],
         "reps": plan["reps"],
         "mixed_reps": plan["mixed_reps"],

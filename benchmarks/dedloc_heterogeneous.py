@@ -66,7 +66,7 @@ PEER = HERE / "_dedloc_peer.py"
 sys.path.insert(0, str(HERE))
 
 from _child_process import JsonLinesProcess  # noqa: E402
-from _star_lab import StarLab, lab_unavailable_reason  # noqa: E402
+from _star_lab import StarLab, lab_unavailable_reason, set_congestion_control  # noqa: E402
 
 MODES = ("equal", "adaptive")
 PREFIX = "ddh"  # namespace names: ddhhub<pid>, ddhh<i>x<pid>, ddhn<i>x<pid> (behind NAT)
@@ -208,6 +208,7 @@ class Lab:
         _run(["ip", "netns", "add", home])
         self.homes[i] = home
         _run(["ip", "-n", home, "link", "set", "lo", "up"])
+        set_congestion_control(home, self.star.congestion_control)
         _run(["ip", "-n", router, "link", "add", "lan", "type", "veth", "peer", "name", "eth0",
               "netns", home])  # fmt: skip
         _run(["ip", "-n", router, "addr", "add", f"{LAN_ROUTER}/24", "dev", "lan"])

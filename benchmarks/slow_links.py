@@ -31,7 +31,8 @@ one-second window, median over peers), ``wall_s``, ``final_loss`` (held-out loss
 0's model at the end) and the loss curve. Then a DiLoCo run in which one peer is
 SIGKILLed during the second outer step: ``kill_outer_steps_lost`` counts outer steps the
 survivors skipped or repeated. ``site_loss_ratio`` comes from ``benchmarks/sites.py``
-(two sites of two ``torch.distributed`` ranks against four flat peers) when it exists.
+(two sites of two ``torch.distributed`` ranks against four flat peers, one repeat) when
+it exists.
 The plot of loss against wall time goes to ``docs/slow_links.png`` (needs matplotlib).
 Last line: one JSON object.
 """
@@ -219,8 +220,14 @@ def site_ratio() -> float | None:
     script = HERE / "sites.py"
     if not script.exists():
         return None
+    # one repeat (2.5 min): three, the script's default, took this run past 15 minutes;
+    # `python benchmarks/sites.py` alone gives the median of three
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, str(script), "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
