@@ -183,7 +183,8 @@ class DHTNode:
         self.max_expiration_ahead = max_expiration_ahead
         self.blacklist = Blacklist(blacklist_time, backoff_rate, time_fn)
         self._loop = asyncio.get_running_loop()
-        # peer -> [(key id, future, k, want record, known versions)] to send this tick
+        # peer -> [(key id, future, k, want record, known versions, known node prefixes)]
+        # to send this tick
         self._pending_finds: dict[PeerID, list[tuple]] = {}
         self._pending_gets: dict[tuple[DHTID, bool], asyncio.Future] = {}
         self._hot_cache_keys: dict[DHTID, bytes] = {}  # key id -> serialized key
@@ -476,7 +477,7 @@ class DHTNode:
     async def _send_finds(
         self,
         peer_id: PeerID,
-        batch: list[tuple[DHTID, asyncio.Future, int, bool, tuple | None]],
+        batch: list[tuple[DHTID, asyncio.Future, int, bool, tuple | None, frozenset[bytes]]],
     ) -> None:
         key_ids = list(dict.fromkeys(item[0] for item in batch))[: protocol.MAX_BATCH]
         k = max(item[2] for item in batch)

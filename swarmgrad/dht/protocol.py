@@ -174,9 +174,10 @@ def decode_store_result(message: Any, expected: int) -> list[str | None]:
 
 
 def subkey_digest(subkey: bytes) -> bytes:
-    """What ``known`` names a dictionary entry by. A digest that collides (crafted: 2**32
-    work) hides only an entry of the same expiration, from an asker that holds a valid
-    entry under another subkey: an attacker can hide its own entries, nobody else's."""
+    """What ``known`` names a dictionary entry by. To hide someone else's entry from an
+    asker, an attacker needs an entry of its own under a subkey with the same digest (a
+    second preimage: 2**64 work) held by that asker with a later expiration; a collision
+    between two subkeys of its own (2**32) hides only its own entries."""
     return hashlib.blake2b(subkey, digest_size=DIGEST_BYTES).digest()
 
 
