@@ -53,6 +53,14 @@ async def well_behaved_round_trip(attacker: Peer, addr, tag: str) -> None:
     assert answer.record is not None and answer.record.value == serialize("value")
 
 
+async def assert_find_field_refused(attacker: Peer, addr, key_ids, field: str, bad_values):
+    """Each bad value of a find request's ``field`` is refused with an error naming it."""
+    for bad in bad_values:
+        request = {**protocol.encode_find(key_ids), field: bad}
+        with pytest.raises(RemoteError, match=field):
+            await attacker.call(addr, protocol.FIND, request, timeout=5)
+
+
 _LEAVES = (
     st.none()
     | st.booleans()
@@ -146,10 +154,8 @@ def test_find_may_skip_records_and_bad_skip_lists_are_refused_by_name(arun):
         reply = await attacker.call(addr, protocol.FIND, request, timeout=5)
         with_record, without = protocol.decode_find_result(reply, 2)
         assert with_record.record is not None and without.record is None
-        for bad in ([2], [-1], [True], ["0"], "0", [0, 0, 0]):
-            request = {**protocol.encode_find(key_ids), "skip_records": bad}
-            with pytest.raises(RemoteError, match="skip_records"):
-                await attacker.call(addr, protocol.FIND, request, timeout=5)
+        bad_lists = ([2], [-1], [True], ["0"], "0", [0, 0, 0])
+        await assert_find_field_refused(attacker, addr, key_ids, "skip_records", bad_lists)
         await well_behaved_round_trip(attacker, addr, "after-skip")
         await stop(node, attacker)
 
@@ -185,7 +191,7 @@ def test_find_with_known_versions_answers_only_newer_entries_and_refuses_bad_lis
         assert await entries(older) == {subs[0]}
         newer_than_stored = [(digest(sub), now + 999) for sub in subs]
         assert await entries(newer_than_stored) == set()
-        for bad in (
+        bad_lists = (
             "x",
             [[0]],
             [[1, []]],
@@ -194,10 +200,8 @@ def test_find_with_known_versions_answers_only_newer_entries_and_refuses_bad_lis
             [[0, [[b"8 bytes!", True]]]],
             [[True, []]],
             [[0, [[b"8 bytes!", 1.0]] * (protocol.MAX_KNOWN + 1)]],
-        ):
-            request = {**protocol.encode_find([key_id]), "known": bad}
-            with pytest.raises(RemoteError, match="known"):
-                await attacker.call(addr, protocol.FIND, request, timeout=5)
+        )
+        await assert_find_field_refused(attacker, addr, [key_id], "known", bad_lists)
         await well_behaved_round_trip(attacker, addr, "after-known")
         await stop(node, attacker)
 
@@ -226,17 +230,15 @@ def test_find_leaves_out_the_nodes_the_asker_knows_and_refuses_bad_lists(arun):
         first = others[0].peer.peer_id
         prefix = protocol.node_prefix(DHTID.for_peer(first))
         assert await listed({0: [prefix]}) == everyone - {first}
-        for bad in (
+        bad_lists = (
             "x",
             [[0]],
             [[2, []]],
             [[0, [b"short"]]],
             [[0, ["8 chars!"]]],
             [[0, [b"8 bytes!"] * (protocol.MAX_KNOWN_NODES + 1)]],
-        ):
-            request = {**protocol.encode_find([key_id]), "known_nodes": bad}
-            with pytest.raises(RemoteError, match="known_nodes"):
-                await attacker.call(addr, protocol.FIND, request, timeout=5)
+        )
+        await assert_find_field_refused(attacker, addr, [key_id], "known_nodes", bad_lists)
         await well_behaved_round_trip(attacker, addr, "after-known-nodes")
         for other in others:
             await other.shutdown()

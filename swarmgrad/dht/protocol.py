@@ -218,24 +218,29 @@ def node_prefix(node_id: DHTID) -> bytes:
     return node_id.to_bytes()[:NODE_PREFIX_BYTES]
 
 
-def known_node_prefixes(message: Any, num_keys: int) -> dict[int, frozenset[bytes]]:
-    """The ``known_nodes`` of a find request: position -> node-id prefixes."""
-    raw = message.get("known_nodes") if isinstance(message, dict) else None
+def _per_key(message: Any, field: str, num_keys: int) -> list[tuple[int, Any]]:
+    """The (position, payload) pairs of a find request's per-key ``field`` (``known``,
+    ``known_nodes``), positions checked; [] when absent."""
+    raw = message.get(field) if isinstance(message, dict) else None
     if raw is None:
-        return {}
+        return []
     if not isinstance(raw, list) or len(raw) > num_keys:
-        raise ProtocolViolation(f"find request: known_nodes must list at most {num_keys} keys")
-    known: dict[int, frozenset[bytes]] = {}
+        raise ProtocolViolation(f"find request: {field} must list at most {num_keys} keys")
+    pairs = []
     for item in raw:
         if not isinstance(item, list) or len(item) != 2:
-            raise _fail(
-                "find request", f"known_nodes holds {_short(item)}, not [position, prefixes]"
-            )
-        index, prefixes = item
+            raise _fail("find request", f"{field} holds {_short(item)}, not [position, list]")
+        index, payload = item
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_keys:
-            raise _fail(
-                "find request", f"known_nodes names position {index!r}, not one < {num_keys}"
-            )
+            raise _fail("find request", f"{field} names position {index!r}, not one < {num_keys}")
+        pairs.append((index, payload))
+    return pairs
+
+
+def known_node_prefixes(message: Any, num_keys: int) -> dict[int, frozenset[bytes]]:
+    """The ``known_nodes`` of a find request: position -> node-id prefixes."""
+    known: dict[int, frozenset[bytes]] = {}
+    for index, prefixes in _per_key(message, "known_nodes", num_keys):
         if (
             not isinstance(prefixes, list)
             or len(prefixes) > MAX_KNOWN_NODES
@@ -252,18 +257,8 @@ def known_node_prefixes(message: Any, num_keys: int) -> dict[int, frozenset[byte
 
 def known_versions(message: Any, num_keys: int) -> dict[int, dict[bytes, float]]:
     """The ``known`` of a find request: position -> {subkey digest: expiration}."""
-    raw = message.get("known") if isinstance(message, dict) else None
-    if raw is None:
-        return {}
-    if not isinstance(raw, list) or len(raw) > num_keys:
-        raise ProtocolViolation(f"find request: known must list at most {num_keys} keys")
     known: dict[int, dict[bytes, float]] = {}
-    for item in raw:
-        if not isinstance(item, list) or len(item) != 2:
-            raise _fail("find request", f"known holds {_short(item)}, not [position, versions]")
-        index, versions = item
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_keys:
-            raise _fail("find request", f"known names position {index!r}, not one < {num_keys}")
+    for index, versions in _per_key(message, "known", num_keys):
         if not isinstance(versions, list) or len(versions) > MAX_KNOWN:
             raise _fail(
                 "find request", f"known versions of key {index} must be a list of <= {MAX_KNOWN}"
