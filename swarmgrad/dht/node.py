@@ -34,6 +34,7 @@ import logging
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -456,7 +457,7 @@ class DHTNode:
         k: int,
         want_record: bool = True,
         known: tuple[tuple[bytes, float], ...] | None = None,
-        known_nodes: frozenset[bytes] = frozenset(),
+        known_nodes: AbstractSet[bytes] = frozenset(),
     ) -> asyncio.Future:
         """Ask a node about a key (its record unless ``want_record`` is False, only the
         dictionary entries newer than ``known`` if given, and its k nearest nodes but
@@ -477,7 +478,7 @@ class DHTNode:
     async def _send_finds(
         self,
         peer_id: PeerID,
-        batch: list[tuple[DHTID, asyncio.Future, int, bool, tuple | None, frozenset[bytes]]],
+        batch: list[tuple[DHTID, asyncio.Future, int, bool, tuple | None, AbstractSet[bytes]]],
     ) -> None:
         key_ids = list(dict.fromkeys(item[0] for item in batch))[: protocol.MAX_BATCH]
         k = max(item[2] for item in batch)
@@ -485,7 +486,7 @@ class DHTNode:
         # a key asked twice in one tick with different known versions is asked in full,
         # and leaves out only the nodes every one of its lookups knows
         known_of: dict[DHTID, tuple | None] = {}
-        nodes_of: dict[DHTID, frozenset[bytes]] = {}
+        nodes_of: dict[DHTID, AbstractSet[bytes]] = {}
         for key_id, _, _, _, known, known_nodes in batch:
             known_of[key_id] = known if known_of.get(key_id, known) == known else None
             nodes_of[key_id] = nodes_of.get(key_id, known_nodes) & known_nodes
@@ -558,15 +559,9 @@ class DHTNode:
                     chosen.append(peer_id)
             return chosen
 
-        prefix_cache: frozenset[bytes] | None = None
-
-        def seen_prefixes() -> frozenset[bytes]:
-            nonlocal prefix_cache
-            if prefix_cache is None or len(prefix_cache) != len(seen):
-                prefix_cache = frozenset(
-                    protocol.node_prefix(DHTID.for_peer(p)) for p in seen if p != self.peer_id
-                )
-            return prefix_cache
+        # every node seen is a candidate already: answers need not list it (a live set,
+        # grown with ``seen``; requests read it when they leave)
+        seen_prefixes = {protocol.node_prefix(DHTID.for_peer(p)) for p in seen}
 
         queried: set[PeerID] = set()
         done = False
@@ -575,9 +570,8 @@ class DHTNode:
                 if len(in_flight) >= alpha:
                     break
                 queried.add(peer_id)
-                # every node seen is a candidate already: the answer need not list it
                 in_flight[
-                    self._find(peer_id, key_id, k, find_value, known_versions, seen_prefixes())
+                    self._find(peer_id, key_id, k, find_value, known_versions, seen_prefixes)
                 ] = peer_id
             if not in_flight:
                 break
@@ -601,6 +595,7 @@ class DHTNode:
                     if found_peer == self.peer_id or found_peer in seen:
                         continue
                     seen.add(found_peer)
+                    seen_prefixes.add(protocol.node_prefix(DHTID.for_peer(found_peer)))
                     hop_of[found_peer] = hop + 1
                     known = self._learn_addresses(found_peer, addrs)
                     if found_peer not in self.blacklist and (
