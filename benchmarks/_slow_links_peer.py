@@ -74,11 +74,13 @@ def count_bytes_per_protocol() -> None:
     from swarmgrad.net import mux
 
     sent: collections.Counter = collections.Counter()
+    writes: collections.Counter = collections.Counter()
     original = mux.Stream.write
 
     async def counting_write(self, data, *, fin=False):
         name = re.search(rb"[a-z_]+\.[a-z_]+", bytes(self.header[:80]))
         sent[name.group().decode() if name else "other"] += len(data)
+        writes[name.group().decode() if name else "other"] += 1
         return await original(self, data, fin=fin)
 
     mux.Stream.write = counting_write
@@ -92,7 +94,18 @@ def count_bytes_per_protocol() -> None:
         return await original_get_many(self, keys, *args, **kwargs)
 
     dht_node.DHTNode.get_many = counting_get_many
+    stores: collections.Counter = collections.Counter()
+    original_store_many = dht_node.DHTNode.store_many
+
+    async def counting_store_many(self, keys, *args, **kwargs):
+        for key in keys:
+            stores[str(key)[:50]] += 1
+        return await original_store_many(self, keys, *args, **kwargs)
+
+    dht_node.DHTNode.store_many = counting_store_many
+    atexit.register(lambda: print("stored", json.dumps(stores.most_common(8)), file=sys.stderr))
     atexit.register(lambda: print("sent", json.dumps(sent.most_common(15)), file=sys.stderr))
+    atexit.register(lambda: print("writes", json.dumps(writes.most_common(15)), file=sys.stderr))
     atexit.register(lambda: print("read", json.dumps(gets.most_common(15)), file=sys.stderr))
 
 

@@ -71,6 +71,10 @@ def test_tracker_refuses_bad_arguments():
                 max_refresh_period=1,
                 start=False,
             )
+        with pytest.raises(ValidationError, match="report_tolerance"):
+            ProgressTracker(dht, RUN, target_batch_size=1, report_tolerance=-0.1, start=False)
+        with pytest.raises(ValidationError, match="unknown ProgressTracker option 'tolerance'"):
+            ProgressTracker(dht, RUN, target_batch_size=1, tolerance=0.1, start=False)
 
 
 def test_record_from_the_future_is_ignored():
@@ -197,10 +201,11 @@ def test_epoch_claimed_far_ahead_cannot_stall_the_swarm():
                 opt.shutdown()
 
 
-def test_reports_far_from_the_epochs_end_are_spaced_but_a_new_epoch_goes_out_at_once():
-    """A record per step was most of what a DiLoCo peer sent; far from the epoch's end
-    others extrapolate our rate, so more samples in the same epoch wait (up to half the
-    time left), while a new epoch is published at once."""
+def test_a_steady_peer_publishes_rarely_a_change_of_pace_and_a_new_epoch_at_once():
+    """A record per step was most of what a DiLoCo peer sent. Others extrapolate our
+    samples from our last record's rate, so while we keep that pace there is nothing to
+    say; when the pace changes (their guess drifts off by more than ``report_tolerance``
+    of the target) we publish, and a new epoch goes out at once."""
     import time
 
     from optim_helpers import wait_until
@@ -208,27 +213,35 @@ def test_reports_far_from_the_epochs_end_are_spaced_but_a_new_epoch_goes_out_at_
     from swarmgrad.utils.loop_thread import run_coroutine
 
     with dht_swarm(2) as dhts:
-        tracker = ProgressTracker(dhts[0], RUN, target_batch_size=100_000, start=True)
-        other = ProgressTracker(dhts[1], RUN, target_batch_size=100_000, start=True)
+        tracker = ProgressTracker(dhts[0], RUN, target_batch_size=10_000, start=True)
+        other = ProgressTracker(dhts[1], RUN, target_batch_size=10_000, start=True)
         node = dhts[0].node
         stores = []
         original = node.store
 
         async def counting_store(key, *args, **kwargs):
             if key == tracker.training_progress_key:
-                stores.append(time.monotonic())
+                stores.append(tracker.local_progress)
             return await original(key, *args, **kwargs)
 
         node.store = counting_store
         try:
-            for step in range(40):  # 40 steps of 10 samples in 2 s: an ETA of hours
-                tracker.report_local_progress(0, 10 * (step + 1))
-                other.report_local_progress(0, 10 * (step + 1))  # a rate of its own
+            samples = 0
+            for _ in range(60):  # 60 steps of 10 samples, 20 per second: a steady pace
+                samples += 10
+                tracker.report_local_progress(0, samples)
                 time.sleep(0.05)
-                if step in (5, 10):
-                    tracker.refresh(timeout=5)  # the swarm's ETA, now that rates are known
-            assert tracker._report_interval() > 5.0
-            assert len(stores) <= 8, f"{len(stores)} records for 40 steps"
+            steady = len(stores)
+            assert steady <= 8, f"{steady} records for 60 steps at one pace"
+
+            for _ in range(20):  # the pace doubles: 40 samples/s more than the guess
+                samples += 20
+                tracker.report_local_progress(0, samples)
+                time.sleep(0.05)
+            wait_until(lambda: len(stores) > steady, 3, "a record once the guess is off")
+            last = stores[-1]
+            guess = tracker._others_would_guess(last, tracker.local_progress.time)
+            assert abs(guess - samples) <= 0.01 * 10_000 + 20 + 0.2 * 400, (guess, samples)
 
             before = len(stores)
             with tracker.pause_updates():

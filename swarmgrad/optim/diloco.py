@@ -417,14 +417,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if fragment.running is not None:
             return  # its previous round is still in flight
         progress, target = self.tracker.global_progress, self.tracker.target_batch_size
-        to_epoch_end = max(0.0, self.tracker.estimated_next_update_time - get_dht_time())
+        now = get_dht_time()
+        to_epoch_end = max(0.0, self.tracker.estimated_next_update_time - now)
         remaining = max(0.0, fraction * target - progress.samples_accumulated)
         left_in_epoch = max(1.0, target - progress.samples_accumulated)
         eta = to_epoch_end * min(1.0, remaining / left_in_epoch)  # the swarm's speed is steady
+        # _epoch_fraction reaches the fraction by elapsed time too, and counted samples lag
+        # (peers at a steady pace publish rarely): matchmaking that started by the counted
+        # samples alone came after the launch, and the late peer's group left it out
+        began, end = self._epoch_began, self.tracker.estimated_next_update_time
+        if math.isfinite(end) and end > began:
+            eta = min(eta, max(0.0, began + fraction * (end - began) - now))
         if eta > self.matchmaking_time:
             return
         fragment.scheduled = fragment.averager.step(
-            scheduled_time=get_dht_time() + max(eta, 0.5),
+            scheduled_time=now + max(eta, 0.5),
             require_trigger=True,
             wait=False,
             timeout=self.averaging_timeout,

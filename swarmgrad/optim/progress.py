@@ -99,6 +99,9 @@ class ProgressRules:
     max_extrapolation: float = 60.0
     rate_clip: float = 2.0
     plausibility_grace: float = 0.0
+    # a record is republished when the others' extrapolation of it misses by more than
+    # this fraction of target_batch_size (see ProgressTracker)
+    report_tolerance: float = 0.01
 
 
 def _lower_median(values: list[float]) -> float:

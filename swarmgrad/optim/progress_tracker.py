@@ -17,8 +17,11 @@ default), so several peers in one process keep separate records; hivemind signs 
 key per process, so two in-process peers overwrite each other's progress.
 
 Reading happens more often as the estimated end of the epoch nears (see
-:func:`~.progress.aggregate_progress`); a report is published at once when the local
-progress changes, and at least every ``metadata_expiration / 2`` seconds.
+:func:`~.progress.aggregate_progress`). A report is published at once when this peer's
+epoch changes, when the others' extrapolation of its last record (samples plus rate times
+age) would be off by more than ``report_tolerance`` of the target, and at least every
+``metadata_expiration / 2`` seconds; a peer at a steady pace says little more than
+"epoch e began, I do r samples/s".
 """
 
 from __future__ import annotations
@@ -99,6 +102,13 @@ class ProgressTracker:
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValidationError(f"{name} must be a positive number, got {value!r}")
+        for name, value in rules.items():
+            if name not in ProgressRules.__dataclass_fields__:
+                raise ValidationError(f"unknown ProgressTracker option {name!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                0 <= value < math.inf
+            ):
+                raise ValidationError(f"{name} must be a non-negative number, got {value!r}")
         if min_refresh_period > max_refresh_period:
             raise ValidationError(
                 f"min_refresh_period ({min_refresh_period}) exceeds max_refresh_period "
@@ -128,6 +138,7 @@ class ProgressTracker:
 
         self._lock = threading.Lock()  # guards local and global progress
         self._paused = 0
+        self._last_increment = 0  # samples of our last step: the grain of others' guesses
         self._distrusted: set[bytes] = set()
         self._last_records: dict[bytes, LocalTrainingProgress] = {}
         # (epoch, DHT time this peer saw it begin): claims of samples are checked against it
@@ -144,7 +155,6 @@ class ProgressTracker:
         )
         self.fetched_global_progress_this_epoch = threading.Event()
         self._report_now: asyncio.Event | None = None
-        self._epoch_moved: asyncio.Event | None = None  # a report that must not wait
         self._fetch_now: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
         self._task: Any = None
@@ -279,12 +289,10 @@ class ProgressTracker:
                 )
             if extra > 0:
                 self.performance_ema.update(task_size=extra)
+                self._last_increment = extra
             else:
                 self.performance_ema.reset_timer()
-            moved = local_epoch != self.local_progress.epoch
             self.local_progress = self._make_local_progress(local_epoch, samples_accumulated)
-        if moved:
-            self._set_soon("_epoch_moved")
         self._set_soon("_report_now")
 
     @contextlib.contextmanager
@@ -383,7 +391,6 @@ class ProgressTracker:
 
     async def _run(self, ready: threading.Event) -> None:
         self._report_now, self._fetch_now = asyncio.Event(), asyncio.Event()
-        self._epoch_moved = asyncio.Event()
         self._stop = asyncio.Event()
         try:
             await self._fetch_once()
@@ -401,41 +408,49 @@ class ProgressTracker:
             stopper.cancel()
             logger.log(self.status_loglevel, "%s: no longer tracking progress", self.prefix)
 
-    def _report_interval(self) -> float:
-        """How long a report of more samples in the same epoch may wait: half the time
-        left in the epoch (at most ``max_refresh_period``). Others extrapolate our
-        samples from our rate, so far from the epoch's end one report every few seconds
-        tells them as much as one per step; near the end (and before anyone measured a
-        rate) reports go out at once. A report per step was most of the bytes a DiLoCo
-        peer sent (benchmarks/slow_links.py)."""
-        eta = self.global_progress.eta_next_epoch - get_dht_time()
-        if not math.isfinite(eta) or eta <= 0:
-            return 0.0
-        return min(self.rules.max_refresh_period, eta / 2)
+    def _others_would_guess(self, published: LocalTrainingProgress, now: float) -> float:
+        """The samples the others extrapolate for us from our last published record (they
+        add its rate times its age, see :func:`~.progress.aggregate_progress`)."""
+        age = min(max(0.0, now - published.time), self.rules.max_extrapolation)
+        return published.samples_accumulated + published.samples_per_second * age
+
+    def _worth_publishing(self, published: LocalTrainingProgress | None) -> bool:
+        """Whether our progress says something the others cannot work out: a new epoch,
+        samples when our last record gave no rate to extrapolate from, or samples that
+        their extrapolation misses by more than ``report_tolerance`` of the target (and by
+        more than one of our steps, the grain of a smooth guess of a stepwise count). A
+        peer at a steady pace thus publishes a few times per epoch instead of once per
+        step near its end, where a record per step was most of the bytes a DiLoCo peer
+        sent (benchmarks/slow_links.py)."""
+        progress = self.local_progress
+        if published is None or progress.epoch != published.epoch:
+            return True
+        if published.samples_per_second == 0:
+            return progress.samples_accumulated != published.samples_accumulated
+        guess = self._others_would_guess(published, progress.time)
+        tolerance = max(self._last_increment, self.rules.report_tolerance * self.target_batch_size)
+        return abs(progress.samples_accumulated - guess) > tolerance
 
     async def _reporter(self) -> None:
-        assert self._report_now is not None and self._epoch_moved is not None
+        assert self._report_now is not None
         loop = asyncio.get_running_loop()
         self._report_now.set()  # say hello at once: joiners are counted from the start
-        published_epoch, published_at = None, -math.inf
+        keepalive = self.metadata_expiration / 2
+        published: LocalTrainingProgress | None = None
+        published_at = -math.inf
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.metadata_expiration / 2):
+                async with asyncio.timeout(max(0.0, published_at + keepalive - loop.time())):
                     await self._report_now.wait()
             self._report_now.clear()
-            if self.local_progress.epoch == published_epoch:
-                hold = published_at + self._report_interval() - loop.time()
-                if hold > 0:  # more samples only: wait, unless the epoch moves meanwhile
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(hold):
-                            await self._epoch_moved.wait()
-            self._epoch_moved.clear()
+            if loop.time() < published_at + keepalive and not self._worth_publishing(published):
+                continue
             progress = self.local_progress
             node = self.dht.node
             if node is None:
                 return
             try:
-                async with asyncio.timeout(self.metadata_expiration / 2):
+                async with asyncio.timeout(keepalive):
                     await node.store(
                         self.training_progress_key,
                         progress.model_dump(),
@@ -444,7 +459,7 @@ class ProgressTracker:
                     )
             except (Exception, TimeoutError) as e:
                 logger.debug("%s: publishing progress failed: %r", self.prefix, e)
-            published_epoch, published_at = progress.epoch, loop.time()
+            published, published_at = progress, loop.time()
 
     async def _fetcher(self) -> None:
         assert self._fetch_now is not None
