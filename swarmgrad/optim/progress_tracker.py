@@ -105,8 +105,10 @@ class ProgressTracker:
         for name, value in rules.items():
             if name not in ProgressRules.__dataclass_fields__:
                 raise ValidationError(f"unknown ProgressTracker option {name!r}")
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                0 <= value < math.inf
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (0 <= value < math.inf)
             ):
                 raise ValidationError(f"{name} must be a non-negative number, got {value!r}")
         if min_refresh_period > max_refresh_period:
