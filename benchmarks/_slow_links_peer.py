@@ -58,6 +58,7 @@ def make_optimizer(args, dht, model):
         num_inner_steps=args.inner_steps,
         inner_optimizer=adamw,
         num_fragments=args.fragments if streaming else 1,
+        fragment_pace=1.0,  # each round spread over the whole gap to the next fragment
         grad_compression=Uniform8BitQuantization() if streaming else Blockwise4BitQuantization(),
         **common,
     )

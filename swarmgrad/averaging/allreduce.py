@@ -68,6 +68,7 @@ from swarmgrad.averaging.buffers import DEFAULT_POOL, BufferPool
 from swarmgrad.averaging.deadlines import AdaptiveTimeouts, ThroughputMeter
 from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.load_balancing import load_balance_peers
+from swarmgrad.averaging.pacing import SendPacer
 from swarmgrad.averaging.partition import (
     DEFAULT_PART_SIZE_BYTES,
     TensorPartContainer,
@@ -381,6 +382,8 @@ class AllReduceRunner:
       buffer_pool: where receive and accumulation buffers come from and go back to.
       aggregation: a robust :class:`~.robust.AggregationRule` the owner applies to its
         span instead of the weighted mean (every member must use the same one).
+      send_pacer: a :class:`~.pacing.SendPacer` that spaces this peer's writes (parts
+        and averaged replies), for rounds in the background; None: full speed.
     """
 
     def __init__(
@@ -403,8 +406,12 @@ class AllReduceRunner:
         averaging_alpha: float = 1.0,
         buffer_pool: BufferPool | None = None,
         aggregation: AggregationRule | None = None,
+        send_pacer: SendPacer | None = None,
     ):
         self.peer = peer
+        if send_pacer is not None and not isinstance(send_pacer, SendPacer):
+            raise ValidationError(f"send_pacer must be a SendPacer or None, got {send_pacer!r}")
+        self._pacer = send_pacer
         if aggregation is not None and not isinstance(aggregation, AggregationRule):
             raise ValidationError(
                 f"aggregation must be an AggregationRule (e.g. CenteredClip()), got {aggregation!r}"
@@ -723,14 +730,21 @@ class AllReduceRunner:
         for part_index in range(container.num_parts(span_index)):
             if raw:
                 data = tensor_bytes(container.local_part(span_index, part_index))
-                await stream.write(data)
+                await self._write(stream, data)
             else:
                 serialized = container.serialize(span_index, part_index)
                 await stream.write(_encode(serialized.header()))
                 data = memoryview(serialized.buffer)
-                await stream.write(data)
+                await self._write(stream, data)
             sent[0] += data.nbytes
         await stream.close_write()
+
+    async def _write(self, stream: Any, data: bytes | bytearray | memoryview) -> None:
+        """Write a part's payload, spaced to ``send_rate`` when the round has one."""
+        if self._pacer is None:
+            await stream.write(data)
+        else:
+            await self._pacer.write(stream, data)
 
     async def _receive_raw(
         self,
@@ -992,9 +1006,9 @@ class AllReduceRunner:
                 reply = self._reply(part_index)
                 if isinstance(reply, tuple):
                     await stream.write(reply[0])
-                    await stream.write(reply[1])
+                    await self._write(stream, reply[1])
                 else:
-                    await stream.write(reply)
+                    await self._write(stream, reply)
             await stream.close_write()
             await consumer
         except (SwarmgradError, OSError, TimeoutError, asyncio.CancelledError) as e:

@@ -59,6 +59,7 @@ from swarmgrad.averaging.deadlines import AdaptiveTimeouts
 from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.matchmaking import Matchmaking
 from swarmgrad.averaging.offenders import OffenderLog
+from swarmgrad.averaging.pacing import SendPacer
 from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES, tensor_schema
 from swarmgrad.averaging.robust import AggregationRule
 from swarmgrad.averaging.round_plan import (
@@ -584,7 +585,7 @@ class AsyncDecentralizedAverager:
                 logger.warning("%s: the step was not triggered before its deadline", self)
                 return None
         control._set_stage(AveragingStage.RUNNING_ALLREDUCE)
-        result = await self._run_allreduce(plan, control.weight, deadline)
+        result = await self._run_allreduce(plan, control.weight, deadline, control.send_pacer)
         if result is None:
             return None
         self.last_result = result
@@ -607,7 +608,7 @@ class AsyncDecentralizedAverager:
         )
 
     async def _run_allreduce(
-        self, plan: RoundPlan, weight: float, deadline: float | None
+        self, plan: RoundPlan, weight: float, deadline: float | None, send_pacer: SendPacer | None
     ) -> AllReduceResult | None:
         loop = asyncio.get_running_loop()
         limits = [t for t in (self.allreduce_timeout,) if t is not None]
@@ -631,7 +632,7 @@ class AsyncDecentralizedAverager:
                     return None
             if self._aggregate is None:
                 runner = self._runner(
-                    plan, plan.group, self._detached, plan.span_sizes, weight, budget
+                    plan, plan.group, self._detached, plan.span_sizes, weight, budget, send_pacer
                 )
                 return await runner.run()
             deadline = None if budget is None else loop.time() + budget
@@ -654,6 +655,7 @@ class AsyncDecentralizedAverager:
         span_sizes: Sequence[int],
         weight: float,
         budget: float | None,
+        send_pacer: SendPacer | None = None,
     ) -> AllReduceRunner:
         return AllReduceRunner(
             self.peer,
@@ -668,6 +670,7 @@ class AsyncDecentralizedAverager:
             timeout=budget,
             averaging_alpha=self.averaging_alpha,
             aggregation=self.aggregation,
+            send_pacer=send_pacer,
         )
 
     def __repr__(self) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 
 from swarmgrad.averaging.allreduce import MAX_WEIGHT
 from swarmgrad.averaging.group_bits import check_round_tag
+from swarmgrad.averaging.pacing import SendPacer
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["AveragingStage", "StepControl"]
@@ -62,6 +63,10 @@ class StepControl(concurrent.futures.Future):
     ``require_trigger=True`` the step forms a group and then waits for
     :meth:`allow_allreduce` (until the step's deadline) before averaging.
     ``round_tag``: the step meets only peers whose step has the same tag.
+    ``send_pacer``: a :class:`~swarmgrad.averaging.pacing.SendPacer` that spaces this
+    peer's writes of the round (None: as fast as the link goes); one pacer shared by
+    several rounds keeps their total at its rate. Settable like ``weight`` until the
+    all-reduce begins.
     ``expected_group_size``: how many peers the caller knows will come (None: unknown);
     a group this peer leads begins as soon as it has that many members instead of
     waiting for its scheduled time.
@@ -81,6 +86,7 @@ class StepControl(concurrent.futures.Future):
             raise ValidationError(f"scheduled_time must be a finite DHT time, got {scheduled_time}")
         self._scheduled_time = float(scheduled_time)
         self._weight = check_weight(weight)
+        self._send_pacer: SendPacer | None = None
         self.require_trigger = bool(require_trigger)
         self.round_tag = check_round_tag(round_tag)
         if expected_group_size is not None and (
@@ -112,6 +118,18 @@ class StepControl(concurrent.futures.Future):
         if self.began_allreduce:
             raise ValidationError("the all-reduce has begun: its weight can no longer change")
         self._weight = check_weight(value)
+
+    @property
+    def send_pacer(self) -> SendPacer | None:
+        return self._send_pacer
+
+    @send_pacer.setter
+    def send_pacer(self, value: SendPacer | None) -> None:
+        if self.began_allreduce:
+            raise ValidationError("the all-reduce has begun: its pacing can no longer change")
+        if value is not None and not isinstance(value, SendPacer):
+            raise ValidationError(f"send_pacer must be a SendPacer or None, got {value!r}")
+        self._send_pacer = value
 
     @property
     def stage(self) -> AveragingStage:

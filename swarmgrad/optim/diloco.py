@@ -31,8 +31,11 @@ so all peers sync at once: a round that waited for stragglers would stall the fa
 
 **Streaming** (``num_fragments=F > 1``, Streaming DiLoCo, Douillard et al. 2025): the
 parameters are cut into F fragments of similar size; fragment f is synchronised when the
-epoch is ``(f + 1) / F`` done, in the background while inner steps go on, so that the
-swarm's peak bandwidth is about F times lower. When a fragment's round finishes, the
+epoch is ``(f + 1/2) / F`` done, in the background while inner steps go on, its round's
+writes spread over ``fragment_pace`` (half) of the time until the next fragment is due
+(:mod:`~swarmgrad.averaging.pacing`), so that the swarm's peak bandwidth is about F times
+lower; the outer step at the epoch's end waits for the rounds still running. When a
+fragment's round finishes, the
 outer step is applied to that fragment and the result is merged into the model as
 ``alpha x local + (1 - alpha) x synced`` (``fragment_merge_alpha``; the inner steps made
 meanwhile are kept in the local part).
@@ -65,6 +68,7 @@ from typing import Any
 import torch
 
 from swarmgrad.averaging.averager import DecentralizedAverager
+from swarmgrad.averaging.pacing import SendPacer
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.compression.base import CompressionInfo
@@ -79,6 +83,10 @@ from swarmgrad.utils.timeutils import get_dht_time
 __all__ = ["DiLoCoOptimizer", "split_into_fragments"]
 
 logger = logging.getLogger(__name__)
+
+#: a paced fragment never goes slower than this (bytes/s): a misjudged epoch length must
+#: not stretch a round past its timeout
+_MIN_PACED_RATE = 16 * 1024
 
 
 def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -130,7 +138,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     synced copy; default Nesterov SGD lr 0.7 momentum 0.9), ``params``, ``scheduler`` (a
     factory ``callable(inner_optimizer)``, stepped at every inner step),
     ``target_batch_size`` (sync every this many swarm samples instead of H x batch x
-    peers), ``num_fragments`` and ``fragment_merge_alpha`` (streaming),
+    peers), ``num_fragments``, ``fragment_merge_alpha`` and ``fragment_pace`` (streaming),
     ``grad_compression`` (pseudo-gradients on the wire), ``error_feedback`` (default:
     when the codec is lossy), ``matchmaking_time``, ``averaging_timeout``,
     ``load_state_timeout``, ``load_state_compression``, ``client_mode`` (default: the
@@ -153,6 +161,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         target_batch_size: int | None = None,
         num_fragments: int = 1,
         fragment_merge_alpha: float = 0.5,
+        fragment_pace: float | None = 0.5,
         grad_compression: CompressionBase = NoCompression(),
         error_feedback: bool | None = None,
         matchmaking_time: float = 15.0,
@@ -175,6 +184,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 f"num_inner_steps={num_inner_steps} is fewer than num_fragments="
                 f"{num_fragments}: each fragment must sync at most once per inner step"
             )
+        if fragment_pace is not None and (
+            isinstance(fragment_pace, bool)
+            or not isinstance(fragment_pace, int | float)
+            or not 0 < fragment_pace <= 1
+        ):
+            raise ValidationError(f"fragment_pace must be in (0, 1] or None, got {fragment_pace!r}")
         if not isinstance(fragment_merge_alpha, int | float) or not 0 <= fragment_merge_alpha < 1:
             raise ValidationError(
                 f"fragment_merge_alpha must be in [0, 1), got {fragment_merge_alpha!r}"
@@ -211,6 +226,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.batch_size, self.num_inner_steps = batch_size, num_inner_steps
         self.fixed_target = target_batch_size
         self.fragment_merge_alpha = float(fragment_merge_alpha)
+        self.fragment_pace = None if fragment_pace is None else float(fragment_pace)
+        self._pacer: SendPacer | None = None
         self.matchmaking_time, self.averaging_timeout = float(matchmaking_time), averaging_timeout
         self.load_state_timeout = float(load_state_timeout)
         self.grad_compression = grad_compression
@@ -368,8 +385,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.tracker.target_batch_size = self._target(self.tracker.global_progress.num_peers)
 
         progress = self._epoch_fraction()
-        for fragment in self.fragments[:-1]:  # streaming: the early fragments, in background
-            due = (fragment.index + 1) / len(self.fragments)
+        streaming = len(self.fragments) > 1
+        for fragment in self.fragments if streaming else ():  # all in the background
+            due = (fragment.index + 0.5) / len(self.fragments)
             if fragment.synced_epoch < self.local_epoch:
                 if progress >= due and self._alone() and self._found_peers_on_a_last_look():
                     # the target grew with the peers found: the fragment may not be due yet
@@ -381,7 +399,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     self._launch(fragment)
                 else:
                     self._maybe_schedule(fragment, fraction=due)
-        self._maybe_schedule(self.fragments[-1], fraction=1.0)
+        if not streaming:
+            self._maybe_schedule(self.fragments[0], fraction=1.0)
         if self.tracker.ready_to_update_epoch:
             self._outer_step()
         return loss
@@ -466,8 +485,43 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 gather=self._synced_digest(fragment),
             )
         control.weight = weight
+        rate = self._fragment_send_rate(fragment)
+        if rate is not None:  # one pacer for all fragments: rounds that overlap share it
+            if self._pacer is None:
+                self._pacer = SendPacer(rate)
+            self._pacer.rate = rate
+        control.send_pacer = self._pacer if rate is not None else None
+        logger.log(
+            self.status_loglevel,
+            "%s: fragment %d of epoch %d released, its writes paced to %s",
+            self.run_id,
+            fragment.index,
+            self.local_epoch,
+            "full speed" if rate is None else f"{rate / 1e3:.1f} kB/s",
+        )
         control.allow_allreduce()
         fragment.running = control
+
+    def _fragment_send_rate(self, fragment: _Fragment) -> float | None:
+        """Streaming: the rate that spreads this fragment's round over ``fragment_pace``
+        of the time until the next fragment is due (None: full speed). Its result is not
+        needed before then, and a burst at full speed would make the link's peak as high
+        as DiLoCo's for a quarter of the bytes."""
+        if self.fragment_pace is None or len(self.fragments) == 1:
+            return None
+        num_peers = self.tracker.global_progress.num_peers
+        epoch_length = self.tracker.estimated_next_update_time - self._epoch_began
+        if num_peers <= 1 or not 0 < epoch_length < math.inf:
+            return None
+        payload = 0.0
+        for index in fragment.params:
+            master = self._masters[index]
+            info = CompressionInfo.from_tensor(master, key=index)
+            ratio = self.grad_compression.estimate_compression_ratio(info)
+            payload += master.numel() * master.element_size() * ratio
+        sent = 2 * (num_peers - 1) / num_peers * payload  # its parts out, its span back
+        window = self.fragment_pace * epoch_length / len(self.fragments)
+        return max(sent / window, _MIN_PACED_RATE)
 
     def _wait_for_round(self, control: StepControl, epoch: int) -> Any:
         """The round's result within averaging_timeout; None at once if it is still
@@ -637,7 +691,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return not self._alone()
 
     def _outer_step(self) -> None:
-        """The epoch is due: sync the last fragment (all of them when not streaming), wait
+        """The epoch is due: sync the model (streaming: any fragment not launched yet), wait
         for every round of this epoch, and move to the next epoch."""
         began = time.perf_counter()
         if self._alone():
