@@ -511,6 +511,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             return None
         num_peers = self.tracker.global_progress.num_peers
         epoch_length = self.tracker.estimated_next_update_time - self._epoch_began
+        if not 0 < epoch_length < math.inf:  # no swarm ETA yet (epoch 0): our own pace
+            own_rate = self.tracker.performance_ema.samples_per_second
+            epoch_length = self.num_inner_steps * self.batch_size / own_rate if own_rate else 0
         if num_peers <= 1 or not 0 < epoch_length < math.inf:
             return None
         payload = 0.0
