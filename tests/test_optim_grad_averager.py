@@ -171,6 +171,34 @@ def test_caller_given_averaged_grads_receive_the_mean(make_averager):
 # ---------------------------------------------------------------------- bad arguments
 
 
+def test_worker_momentum_sends_an_average_of_this_peers_mean_gradients(make_averager):
+    """m = beta m + (1 - beta) g per send, starting from the first g; loading the same
+    accumulation twice (the fallback after a failed round) does not fold it twice."""
+    model = make_model()
+    averager = make_averager(model.parameters(), worker_momentum=0.75)
+    generator = torch.Generator().manual_seed(3)
+    first, second = make_batch(generator, 4), make_batch(generator, 4)
+    sent = []
+    for batch in (first, second):
+        backward(model, batch)
+        averager.accumulate_grads_(batch_size=4)
+        model.zero_grad()
+        averager.load_accumulators_into_averager_()
+        averager.load_accumulators_into_averager_()  # again: the same momentum
+        sent.append(averaged(averager))
+        averager.reset_accumulated_grads_()
+    g1, g2 = mean_gradient(model, [first]), mean_gradient(model, [second])
+    assert_close(sent[0], g1)
+    assert_close(sent[1], [0.75 * a + 0.25 * b for a, b in zip(g1, g2, strict=True)])
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.0, 2, True, "0.9"])
+def test_a_worker_momentum_outside_0_1_is_refused(dht, beta):
+    with pytest.raises(ValidationError, match="worker_momentum"):
+        GradientAverager(make_model().parameters(), dht=dht, prefix=PREFIX, start=False,
+                         worker_momentum=beta)  # fmt: skip
+
+
 def test_averaged_grads_of_the_wrong_shape_or_number_are_refused(dht):
     model = make_model()
     good = [torch.zeros_like(p).detach() for p in model.parameters()]

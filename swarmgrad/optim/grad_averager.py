@@ -58,6 +58,16 @@ class GradientAverager(DecentralizedAverager):
     ``accumulate_grads_on``: device of the accumulators (default: the parameters').
     ``averaged_grads``: tensors to average in (default: new zero buffers). ``warn``:
     accepted for hivemind compatibility.
+
+    ``worker_momentum`` (swarmgrad's, default 0: off): each peer sends an exponential
+    average of its own mean gradients, ``m = beta m + (1 - beta) g``, instead of ``g``
+    (worker momentum, Karimireddy, He and Jaggi 2021). Under a robust aggregation rule
+    (``aggregation=CenteredClip(...)``) this is what makes the rule work on noisy
+    gradients: honest peers' momenta spread several times less than their gradients,
+    and a clipped center is biased toward liars by a fraction of that spread. The
+    optimizer then applies the averaged momentum, so it should have no momentum of its
+    own and a learning rate ``1 / (1 - beta)`` times larger (SGD with momentum 0.9 and lr
+    0.3 becomes worker momentum 0.9 and SGD lr 3.0: the same update without liars).
     """
 
     def __init__(
@@ -71,8 +81,18 @@ class GradientAverager(DecentralizedAverager):
         client_mode: bool | None = None,
         warn: bool = True,
         averaged_grads: Sequence[torch.Tensor] | None = None,
+        worker_momentum: float = 0.0,
         **kwargs: Any,
     ):
+        if (
+            isinstance(worker_momentum, bool)
+            or not isinstance(worker_momentum, int | float)
+            or not 0 <= worker_momentum < 1
+        ):
+            raise ValidationError(f"worker_momentum must be in [0, 1), got {worker_momentum!r}")
+        self.worker_momentum = float(worker_momentum)
+        self._momentum: list[torch.Tensor] | None = None  # created at the first send
+        self._folded = False  # the accumulated gradients are in the momentum already
         self.parameters = tuple(parameters)
         if not self.parameters:
             raise ValidationError("GradientAverager needs at least one parameter")
@@ -130,6 +150,7 @@ class GradientAverager(DecentralizedAverager):
             raise ValidationError(f"batch_size must be a positive int, got {batch_size!r}")
         self.local_samples_accumulated += batch_size
         self.local_times_accumulated += 1
+        self._folded = False  # new gradients: the next send folds them into the momentum
         if self.reuse_grad_buffers:
             return  # the .grad buffers accumulate by themselves (backward adds to them)
         assert self._accumulators is not None
@@ -169,6 +190,22 @@ class GradientAverager(DecentralizedAverager):
                 else:
                     buffer.copy_(source.to(buffer.device), non_blocking=False)
                     buffer.mul_(1.0 / scale)
+            if self.worker_momentum:
+                self._send_momentum(averaged_grads)
+
+    def _send_momentum(self, averaged_grads: Sequence[torch.Tensor]) -> None:
+        """Fold the mean gradient just loaded into this peer's momentum and send that.
+        Loading the same accumulation again (the optimizer's fallback to local gradients
+        after a failed round) sends the same momentum, not a second fold."""
+        beta = self.worker_momentum
+        if self._momentum is None:  # the first gradient is the momentum: no bias to zero
+            self._momentum = [buffer.clone() for buffer in averaged_grads]
+        elif not self._folded:
+            for momentum, buffer in zip(self._momentum, averaged_grads, strict=True):
+                momentum.mul_(beta).add_(buffer, alpha=1 - beta)
+        self._folded = True
+        for momentum, buffer in zip(self._momentum, averaged_grads, strict=True):
+            buffer.copy_(momentum)
 
     # ------------------------------------------------------------------ averaging
 
