@@ -43,8 +43,31 @@ def default_congestion_control() -> str:
     return os.environ.get("LAB_CC", "cubic")
 
 
+_SYSCTL = "/proc/sys/net/ipv4/"
+
+
+def _allow_congestion_control(algorithm: str) -> None:
+    """Add ``algorithm`` to the machine's allowed list when the kernel has it: a network
+    namespace may only pick an allowed one, and some images allow only theirs (one
+    allowed "reno bbr" while cubic was available: the lab failed with EPERM)."""
+    with open(_SYSCTL + "tcp_allowed_congestion_control") as f:
+        allowed = f.read().split()
+    with open(_SYSCTL + "tcp_available_congestion_control") as f:
+        available = f.read().split()
+    if algorithm in allowed:
+        return
+    if algorithm not in available:
+        raise RuntimeError(
+            f"TCP congestion control {algorithm!r} is not in this kernel "
+            f"(available: {' '.join(available)}); set LAB_CC to one of them"
+        )
+    with open(_SYSCTL + "tcp_allowed_congestion_control", "w") as f:
+        f.write(" ".join([*allowed, algorithm]))
+
+
 def set_congestion_control(namespace: str, algorithm: str) -> None:
     """Make ``algorithm`` the TCP congestion control of new sockets in ``namespace``."""
+    _allow_congestion_control(algorithm)
     _run(f"ip netns exec {namespace} sysctl -qw net.ipv4.tcp_congestion_control={algorithm}")
 
 

@@ -227,26 +227,31 @@ def test_streaming_fragments_sync_in_turn_and_keep_the_peers_close():
                 opt.shutdown()
 
 
-def test_the_epoch_fraction_follows_the_clock_when_counted_samples_lag():
+def test_the_epoch_fraction_follows_the_swarms_extrapolated_samples():
     """Streaming fragments are due at fractions of the epoch; counted samples lag behind
-    (reports are spaced), so the fraction is the further of samples and elapsed time
-    against the estimated end; with no estimate, samples alone."""
+    (reports are rare), so the fraction is the further of them and the swarm's samples
+    extrapolated at its rate up to now (the same for every peer, whatever time each one
+    began its epoch at); with no rate, counted samples alone."""
     from swarmgrad.utils.timeutils import get_dht_time
 
     with dht_swarm(1) as dhts:
         opt = make_diloco(dhts[0], make_model(), num_inner_steps=8, num_fragments=4)
         try:
             progress = opt.tracker.global_progress
+            target = opt.tracker.target_batch_size
             now = get_dht_time()
-            opt._epoch_began = now - 6.0
+            opt._epoch_began = now - 100.0  # this peer's own start plays no part
             progress.samples_accumulated = 0
+            progress.samples_per_second = target / 12.0  # a 12-s epoch
             progress.eta_next_epoch = now + 6.0
             assert opt._epoch_fraction() == pytest.approx(0.5, abs=0.02)
-            progress.samples_accumulated = opt.tracker.target_batch_size * 3 // 4
+            assert opt._due_time(0.75) == pytest.approx(now + 3.0, abs=0.01)
+            progress.samples_accumulated = target * 3 // 4
             assert opt._epoch_fraction() == pytest.approx(0.75, abs=0.02)
             progress.samples_accumulated = 0
             progress.eta_next_epoch = float("inf")
             assert opt._epoch_fraction() == 0.0
+            assert opt._due_time(0.5) == float("inf")
         finally:
             opt.shutdown()
 

@@ -228,6 +228,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.fragment_merge_alpha = float(fragment_merge_alpha)
         self.fragment_pace = None if fragment_pace is None else float(fragment_pace)
         self._pacer: SendPacer | None = None
+        self._last_epoch_length = 0.0
         self.matchmaking_time, self.averaging_timeout = float(matchmaking_time), averaging_timeout
         self.load_state_timeout = float(load_state_timeout)
         self.grad_compression = grad_compression
@@ -410,24 +411,40 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             return self.fixed_target
         return self.num_inner_steps * self.batch_size * max(1, num_peers)
 
-    def _restart_epoch_count(self) -> None:
+    def _restart_epoch_count(self, epoch_ended: bool = False) -> None:
+        now = get_dht_time()
+        if epoch_ended:  # how long an epoch takes, for pacing the next one's fragments
+            self._last_epoch_length = now - self._epoch_began
         self.samples_since_sync = 0
-        self._epoch_began = get_dht_time()
+        self._epoch_began = now
 
     def _epoch_fraction(self) -> float:
         """How much of the epoch is done: the samples counted in the last read, or the
-        time elapsed against the estimated end if further. Counted samples lag (others
-        report every few seconds far from the epoch's end), and streaming's fragments,
-        due at 1/4, 2/4 and 3/4 of the epoch, bunched up in its second half: a 13-s epoch
-        synced them 6.6, 8.1 and 9.2 s in."""
+        swarm's extrapolated samples (records plus rates times their age) if further.
+        Counted samples lag (peers at a steady pace publish rarely), and streaming's
+        fragments bunched up in the epoch's second half: a 13-s epoch synced those due
+        at 1/4, 2/4 and 3/4 of it 6.6, 8.1 and 9.2 s in. Elapsed time since this peer's
+        epoch began fixed that but differs between peers in epoch 0, which each begins
+        at its own start: the first fragment's groups then split (2 + 2 of 4 peers); the
+        extrapolation is the same for every reader."""
         if self.tracker.ready_to_update_epoch:
             return 1.0
         progress = self.tracker.global_progress
-        done = progress.samples_accumulated / max(1, self.tracker.target_batch_size)
-        began, end = self._epoch_began, progress.eta_next_epoch
-        if math.isfinite(end) and end > began:
-            done = max(done, (get_dht_time() - began) / (end - began))
+        target = max(1, self.tracker.target_batch_size)
+        done = progress.samples_accumulated / target
+        end, rate = progress.eta_next_epoch, progress.samples_per_second
+        if math.isfinite(end) and rate > 0:
+            done = max(done, 1 - (end - get_dht_time()) * rate / target)
         return min(1.0, done)
+
+    def _due_time(self, fraction: float) -> float:
+        """DHT time at which the swarm's extrapolated samples reach ``fraction`` of the
+        epoch (inf before any rate is known); see :meth:`_epoch_fraction`."""
+        progress = self.tracker.global_progress
+        end, rate = progress.eta_next_epoch, progress.samples_per_second
+        if not math.isfinite(end) or rate <= 0:
+            return math.inf
+        return end - (1 - fraction) * max(1, self.tracker.target_batch_size) / rate
 
     def _maybe_schedule(self, fragment: _Fragment, fraction: float) -> None:
         """Start matchmaking ``matchmaking_time`` before the fragment's sync is due."""
@@ -441,12 +458,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         remaining = max(0.0, fraction * target - progress.samples_accumulated)
         left_in_epoch = max(1.0, target - progress.samples_accumulated)
         eta = to_epoch_end * min(1.0, remaining / left_in_epoch)  # the swarm's speed is steady
-        # _epoch_fraction reaches the fraction by elapsed time too, and counted samples lag
-        # (peers at a steady pace publish rarely): matchmaking that started by the counted
-        # samples alone came after the launch, and the late peer's group left it out
-        began, end = self._epoch_began, self.tracker.estimated_next_update_time
-        if math.isfinite(end) and end > began:
-            eta = min(eta, max(0.0, began + fraction * (end - began) - now))
+        # _epoch_fraction reaches the fraction by extrapolated samples too, and counted
+        # samples lag (peers at a steady pace publish rarely): matchmaking that started by
+        # the counted samples alone came after the launch, and the late peer's group left
+        # it out
+        eta = min(eta, max(0.0, self._due_time(fraction) - now))
         if eta > self.matchmaking_time:
             return
         fragment.scheduled = fragment.averager.step(
@@ -510,7 +526,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if self.fragment_pace is None or len(self.fragments) == 1:
             return None
         num_peers = self.tracker.global_progress.num_peers
-        epoch_length = self.tracker.estimated_next_update_time - self._epoch_began
+        # the longer of the swarm's estimate and the last epoch: an estimate that later
+        # grows (a joiner, a slower peer) would leave the round squeezed into its start
+        epoch_length = max(
+            self.tracker.estimated_next_update_time - self._epoch_began, self._last_epoch_length
+        )
         if not 0 < epoch_length < math.inf:  # no swarm ETA yet (epoch 0): our own pace
             own_rate = self.tracker.performance_ema.samples_per_second
             epoch_length = self.num_inner_steps * self.batch_size / own_rate if own_rate else 0
@@ -707,7 +727,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._resync_if_needed()
             self.state_averager.local_epoch += 1
             self.tracker.update_epoch(new_epoch=self.local_epoch)
-            self._restart_epoch_count()
+            self._restart_epoch_count(epoch_ended=True)
             self._check_sync_on_next_update = True
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch

@@ -84,6 +84,9 @@ class GlobalTrainingProgress:
     num_clients: int
     eta_next_epoch: float
     next_fetch_time: float
+    # the swarm's rate (each peer's clipped as counted): with eta_next_epoch, where the
+    # swarm's extrapolated samples stand at any moment, the same for every reader
+    samples_per_second: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,4 +190,5 @@ def aggregate_progress(
         num_clients=num_clients,
         eta_next_epoch=now + eta,
         next_fetch_time=now + refresh,
+        samples_per_second=total_rate,
     )
