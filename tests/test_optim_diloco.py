@@ -231,7 +231,8 @@ def test_the_epoch_fraction_follows_the_swarms_extrapolated_samples():
     """Streaming fragments are due at fractions of the epoch; counted samples lag behind
     (reports are rare), so the fraction is the further of them and the swarm's samples
     extrapolated at its rate up to now (the same for every peer, whatever time each one
-    began its epoch at); with no rate, counted samples alone."""
+    began its epoch at), against the current target (it grows as peers are found); with
+    no rate, counted samples alone."""
     from swarmgrad.utils.timeutils import get_dht_time
 
     with dht_swarm(1) as dhts:
@@ -243,13 +244,21 @@ def test_the_epoch_fraction_follows_the_swarms_extrapolated_samples():
             opt._epoch_began = now - 100.0  # this peer's own start plays no part
             progress.samples_accumulated = 0
             progress.samples_per_second = target / 12.0  # a 12-s epoch
-            progress.eta_next_epoch = now + 6.0
+            progress.samples_estimated, progress.estimated_at = target / 4, now - 3.0
             assert opt._epoch_fraction() == pytest.approx(0.5, abs=0.02)
             assert opt._due_time(0.75) == pytest.approx(now + 3.0, abs=0.01)
             progress.samples_accumulated = target * 3 // 4
             assert opt._epoch_fraction() == pytest.approx(0.75, abs=0.02)
+            # the target doubles (twice the peers): the same samples are half as far
             progress.samples_accumulated = 0
-            progress.eta_next_epoch = float("inf")
+            opt.tracker.target_batch_size = 2 * target
+            progress = opt.tracker.global_progress
+            progress.samples_per_second = target / 12.0
+            progress.samples_estimated, progress.estimated_at = target / 4, now - 3.0
+            assert opt._epoch_fraction() == pytest.approx(0.25, abs=0.02)
+            assert opt._due_time(0.5) == pytest.approx(now + 6.0, abs=0.01)
+            progress.samples_per_second = 0.0
+            progress.samples_estimated = 0.0
             assert opt._epoch_fraction() == 0.0
             assert opt._due_time(0.5) == float("inf")
         finally:

@@ -142,8 +142,8 @@ def test_eta_is_now_once_the_target_is_reached_and_infinite_without_any_rate():
 
     idle = aggregate({b"a": record(rate=0.0)}, local=record(rate=0.0))
     assert idle.eta_next_epoch == math.inf
-    # nobody measured a speed yet: nothing to shorten or stretch the period with
-    assert idle.next_fetch_time == NOW + RULES.default_refresh_period
+    # peers, none with a speed yet: they are starting, and their pace is news soon
+    assert idle.next_fetch_time == NOW + RULES.min_refresh_period
 
 
 def test_a_lonely_peer_reads_again_after_the_default_refresh_period():

@@ -430,21 +430,20 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if self.tracker.ready_to_update_epoch:
             return 1.0
         progress = self.tracker.global_progress
-        target = max(1, self.tracker.target_batch_size)
-        done = progress.samples_accumulated / target
-        end, rate = progress.eta_next_epoch, progress.samples_per_second
-        if math.isfinite(end) and rate > 0:
-            done = max(done, 1 - (end - get_dht_time()) * rate / target)
-        return min(1.0, done)
+        counted = max(progress.samples_accumulated, progress.samples_at(get_dht_time()))
+        return min(1.0, counted / max(1, self.tracker.target_batch_size))
 
     def _due_time(self, fraction: float) -> float:
         """DHT time at which the swarm's extrapolated samples reach ``fraction`` of the
-        epoch (inf before any rate is known); see :meth:`_epoch_fraction`."""
+        epoch (inf before any rate is known); see :meth:`_epoch_fraction`. Not the ETA of
+        the epoch's end scaled: that ETA was computed against the target of its read, and
+        the target grows as peers are found (in epoch 0 a peer that had counted itself
+        alone launched the first fragment at once and split the group 2 + 2)."""
         progress = self.tracker.global_progress
-        end, rate = progress.eta_next_epoch, progress.samples_per_second
-        if not math.isfinite(end) or rate <= 0:
+        if progress.samples_per_second <= 0:
             return math.inf
-        return end - (1 - fraction) * max(1, self.tracker.target_batch_size) / rate
+        missing = fraction * max(1, self.tracker.target_batch_size) - progress.samples_estimated
+        return progress.estimated_at + missing / progress.samples_per_second
 
     def _maybe_schedule(self, fragment: _Fragment, fraction: float) -> None:
         """Start matchmaking ``matchmaking_time`` before the fragment's sync is due."""
@@ -465,14 +464,27 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         eta = min(eta, max(0.0, self._due_time(fraction) - now))
         if eta > self.matchmaking_time:
             return
+        # Peers' estimates of the due time differ (by 2 s in epoch 0, when rates are in
+        # flux): a group that closed at its leader's estimate left out a peer that came
+        # 26 ms later, and the fragment's copies split 3 + 1. So a leader waits until
+        # half a matchmaking time past its estimate for the peers it does not have yet,
+        # and begins as soon as it has every peer the swarm counts. (Plain DiLoCo's one
+        # round blocks the outer step: there a missing peer would cost that wait.)
+        slack = self.matchmaking_time / 2 if len(self.fragments) > 1 else 0.0
         fragment.scheduled = fragment.averager.step(
-            scheduled_time=now + max(eta, 0.5),
+            scheduled_time=now + max(eta, 0.5) + slack,
             require_trigger=True,
             wait=False,
             timeout=self.averaging_timeout,
             round_tag=f"outer{self.local_epoch}f{fragment.index}",
             gather=self._synced_digest(fragment),
+            expected_group_size=self._expected_group_size(),
         )
+
+    def _expected_group_size(self) -> int | None:
+        """The peers the swarm counts (None: fewer than 2), for a round to begin with."""
+        num_peers = self.tracker.global_progress.num_peers
+        return num_peers if num_peers >= 2 else None
 
     def _launch(self, fragment: _Fragment) -> None:
         """Write this fragment's pseudo-gradient and release its round (in the background)."""
@@ -499,6 +511,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 timeout=self.averaging_timeout,
                 round_tag=tag,
                 gather=self._synced_digest(fragment),
+                expected_group_size=self._expected_group_size(),
             )
         control.weight = weight
         rate = self._fragment_send_rate(fragment)

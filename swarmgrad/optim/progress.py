@@ -84,9 +84,16 @@ class GlobalTrainingProgress:
     num_clients: int
     eta_next_epoch: float
     next_fetch_time: float
-    # the swarm's rate (each peer's clipped as counted): with eta_next_epoch, where the
-    # swarm's extrapolated samples stand at any moment, the same for every reader
+    # the swarm's rate (each peer's clipped as counted) and its samples extrapolated to
+    # estimated_at (records plus rate x age): where the swarm stands at any moment, the
+    # same for every reader whatever its own clock of the epoch (see samples_at)
     samples_per_second: float = 0.0
+    samples_estimated: float = 0.0
+    estimated_at: float = 0.0
+
+    def samples_at(self, time: float) -> float:
+        """The swarm's samples this epoch extrapolated to DHT ``time``."""
+        return self.samples_estimated + max(0.0, time - self.estimated_at) * self.samples_per_second
 
 
 @dataclass(frozen=True)
@@ -179,8 +186,10 @@ def aggregate_progress(
         # Read again before enough newcomers could have finished the epoch unseen.
         if math.isfinite(eta):
             refresh = eta * num_peers / expected_max_peers
-        else:  # nobody measured a speed yet
-            refresh = rules.default_refresh_period
+        else:  # peers, none with a speed yet: they are starting, and their pace is news
+            # soon (peers that waited the default 3 s in epoch 0 learnt the swarm's pace
+            # after the rest had synced their first streaming fragment without them)
+            refresh = rules.min_refresh_period
     refresh = min(max(refresh, rules.min_refresh_period), rules.max_refresh_period)
     return GlobalTrainingProgress(
         epoch=epoch,
@@ -191,4 +200,6 @@ def aggregate_progress(
         eta_next_epoch=now + eta,
         next_fetch_time=now + refresh,
         samples_per_second=total_rate,
+        samples_estimated=estimated,
+        estimated_at=now,
     )

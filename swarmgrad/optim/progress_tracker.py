@@ -154,6 +154,7 @@ class ProgressTracker:
             num_clients=int(self.client_mode),
             eta_next_epoch=math.inf,
             next_fetch_time=get_dht_time(),
+            estimated_at=get_dht_time(),
         )
         self.fetched_global_progress_this_epoch = threading.Event()
         self._report_now: asyncio.Event | None = None
@@ -322,6 +323,8 @@ class ProgressTracker:
                 self.global_progress.epoch = new_epoch
                 self.global_progress.samples_accumulated = 0
                 self.global_progress.eta_next_epoch = math.inf
+                self.global_progress.samples_estimated = 0.0
+                self.global_progress.estimated_at = get_dht_time()
             if new_epoch != self._epoch_began[0]:
                 self._epoch_began = (new_epoch, get_dht_time())
         self.report_local_progress(new_epoch, 0)
