@@ -304,6 +304,42 @@ def test_a_fragment_due_while_the_peer_counts_only_itself_looks_again_and_syncs_
                 opt.shutdown()
 
 
+@pytest.mark.parametrize("num_fragments", [1, 4])
+def test_a_fragment_round_waits_for_late_estimates_and_begins_with_every_peer(num_fragments):
+    """Peers' estimates of a fragment's due time differ (seconds apart in epoch 0): a
+    streaming fragment's leader keeps its group open half a matchmaking time past its
+    own estimate, and begins as soon as every peer the swarm counts has joined. Plain
+    DiLoCo's one round blocks the outer step: no extra wait there."""
+    from swarmgrad.utils.timeutils import get_dht_time
+
+    with dht_swarm(1) as dhts:
+        opt = make_diloco(dhts[0], make_model(), num_inner_steps=8,
+                          num_fragments=num_fragments, matchmaking_time=2.0)  # fmt: skip
+        calls = []
+        try:
+            fragment = opt.fragments[0]
+            fragment.averager.step = lambda **kwargs: calls.append(kwargs) or "control"
+            target = opt.tracker.target_batch_size
+            fraction = 0.125 if num_fragments > 1 else 1.0
+            with opt.tracker.pause_updates():  # no read replaces the progress set here
+                progress = opt.tracker.global_progress
+                now = get_dht_time()
+                progress.num_peers = 3
+                progress.samples_per_second = target / 10.0
+                # 1 s before the fragment is due (at an eighth, or at the end)
+                progress.samples_estimated = target * (fraction - 0.1)
+                progress.estimated_at = now
+                progress.eta_next_epoch = now + 10.0 * (1 - fraction + 0.1)
+                opt._maybe_schedule(fragment, fraction)
+            assert fragment.scheduled == "control" and len(calls) == 1
+            slack = 1.0 if num_fragments > 1 else 0.0
+            assert calls[0]["scheduled_time"] == pytest.approx(now + 1.0 + slack, abs=0.1)
+            assert calls[0]["expected_group_size"] == 3
+        finally:
+            fragment.scheduled = None
+            opt.shutdown()
+
+
 @pytest.mark.parametrize(
     "codec", [Uniform8BitQuantization(), Blockwise4BitQuantization()], ids=repr
 )
