@@ -9,25 +9,30 @@ all; 60 epochs; matchmaking 0.5 s). The learning rate is tuned for that batch so
 run ends near convergence: at lr 0.1 the 60 epochs ended mid-descent, where any rule that
 slows the descent a little (CenteredClip's bias is a fraction of the honest spread, which
 here is comparable to the gradient itself) showed as 20% more loss, measuring the
-schedule rather than the attack. Two of them attack, in turn, by rewriting their
-gradients before each step:
+schedule rather than the attack. Two of them attack, in turn, by rewriting the vector
+``g`` they send in each averaging round (an honest peer's: its mean gradient, or with
+worker momentum its momentum; ``AttackingGradientAverager``):
 
 * ``sign_flip``: send ``-4 g`` (the sign flipped and scaled, so that the flipped pair
   outweighs the six honest peers in a plain mean);
 * ``scaled``: send ``1000 g``;
 * ``noise``: send Gaussian noise with the norm of ``g`` (what the issue names);
 * ``alie`` ("a little is enough", Baruch et al. 2019): both send the same
-  ``mean - 1.5 std`` of their own two gradients, coordinate by coordinate: a small
-  coordinated shift that stays inside the spread of honest gradients.
+  ``mean - 1.5 std`` of their own two vectors, coordinate by coordinate: a small
+  coordinated shift that stays inside the spread of honest ones.
 
-Each attack is run with plain averaging and with ``CenteredClip(tau=0.02, min_inputs=5)``
-passed through ``averager_opts={"aggregation": ...}``, groups of at least 5 in both
+Each attack is run with plain averaging (SGD momentum 0.9 after the average, the usual
+setting) and with ``CenteredClip(tau=0.02, min_inputs=5)`` passed through
+``averager_opts={"aggregation": ...}`` and worker momentum 0.9 (each peer sends its
+momentum, ``GradientAverager(worker_momentum=0.9)``, and SGD lr 3.0 without momentum
+applies the average: the same update without liars), groups of at least 5 in both
 (``min_group_size``: to tolerate 2 liars a group, and each part an owner reduces, needs
 2 x 2 + 1 members; on a loaded box groups of 3 had formed and held the liars as a
 majority, where no rule helps); the figure is the held-out cross-entropy at the
 end (the median over the six honest peers' models), against an attack-free run of each
-rule. ``BYZ_EPOCHS``, ``BYZ_LR``, ``BYZ_TAU``, ``BYZ_STEPS`` and ``BYZ_ATTACKS`` (comma
-separated) change the setting for experiments. The robust rule's
+rule. ``BYZ_EPOCHS``, ``BYZ_LR``, ``BYZ_TAU``, ``BYZ_STEPS``, ``BYZ_WORKER_MOMENTUM`` (0:
+the robust runs without it) and ``BYZ_ATTACKS`` (comma separated) change the setting for
+experiments. The robust rule's
 cost (``robust_overhead``) is the median wall time of an averaging round of the 8 peers
 with CenteredClip against the plain mean, attack-free, rounds interleaved (15 each), for
 the MLP's gradient; ``round_s`` also has a 1M-value tensor, where the rule's compute
@@ -38,6 +43,7 @@ JSON object.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -67,6 +73,7 @@ STEPS_PER_EPOCH = int(os.environ.get("BYZ_STEPS", 16))
 ROUND_SIZES = (2410, 1 << 20)  # the MLP's gradient, and a 4 MB tensor where the rule's
 # compute shows (CenteredClip: up to 20 passes over senders x part per part)
 ROUND_TRIALS = 15  # interleaved averaging rounds per rule for robust_overhead
+WORKER_MOMENTUM = float(os.environ.get("BYZ_WORKER_MOMENTUM", 0.9))  # robust runs only
 ALL_ATTACKS = ("sign_flip", "scaled", "noise", "alie")
 ATTACKS = tuple(os.environ.get("BYZ_ATTACKS", ",".join(ALL_ATTACKS)).split(","))
 
@@ -88,7 +95,7 @@ def make_model() -> torch.nn.Module:
 
 
 class Collusion:
-    """What the two ALIE attackers share: their current gradients."""
+    """What the two ALIE attackers share: the vectors they would send honestly."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -104,9 +111,8 @@ class Collusion:
         return stacked.mean(0) - 1.5 * stacked.std(0)
 
 
-def attack(kind: str, model: torch.nn.Module, index: int, collusion: Collusion, gen) -> None:
-    params = [p for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([p.grad.flatten() for p in params])
+def attacked(kind: str, flat: torch.Tensor, index: int, collusion: Collusion, gen) -> torch.Tensor:
+    """What an attacker sends instead of the honest vector ``flat``."""
     if kind == "sign_flip":
         new = -4 * flat
     elif kind == "scaled":
@@ -118,10 +124,28 @@ def attack(kind: str, model: torch.nn.Module, index: int, collusion: Collusion, 
         new = collusion.shifted(index, flat)
     else:
         raise ValueError(kind)
-    offset = 0
-    for p in params:
-        p.grad.copy_(new[offset : offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    return new
+
+
+class AttackingGradientAverager(swarmgrad.GradientAverager):
+    """An attacker's averager: it keeps its honest accumulation (and momentum) but sends
+    the attack of what an honest peer would send, the attack applied to the sent vector
+    itself (the mean gradient, or with worker momentum the momentum)."""
+
+    def __init__(self, *args, attack: tuple, **kwargs):
+        self._attack = attack  # (kind, index, collusion, generator)
+        super().__init__(*args, **kwargs)
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self) -> None:
+        super().load_accumulators_into_averager_()
+        kind, index, collusion, gen = self._attack
+        with self.get_tensors() as tensors:
+            flat = torch.cat([t.flatten() for t in tensors])
+            new, offset = attacked(kind, flat, index, collusion, gen), 0
+            for t in tensors:
+                t.copy_(new[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def run(attack_kind: str | None, robust: bool) -> dict:
@@ -137,29 +161,47 @@ def run(attack_kind: str | None, robust: bool) -> dict:
         averager_opts["aggregation"] = CenteredClip(tau=TAU, min_inputs=QUORUM)
     models = [make_model() for _ in range(PEERS)]
     run_id = f"byz_{attack_kind}_{int(robust)}_{time.monotonic_ns()}"
+    collusion = Collusion()
+    # the robust setting sends worker momentum (the optimizer then has none of its own and
+    # an lr 1 / (1 - beta) larger: the same update without liars)
+    beta = WORKER_MOMENTUM if robust else 0.0
+    if beta:
+        make_sgd = lambda p: torch.optim.SGD(p, lr=LR / (1 - beta))  # noqa: E731
+    else:
+        make_sgd = lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9)  # noqa: E731
+
+    def averager_factory(index: int):
+        if attack_kind is None or index < PEERS - ATTACKERS:
+            return functools.partial(swarmgrad.GradientAverager, worker_momentum=beta)
+        gen = torch.Generator().manual_seed(200 + index)
+        return functools.partial(
+            AttackingGradientAverager,
+            worker_momentum=beta,
+            attack=(attack_kind, index, collusion, gen),
+        )
+
     opts = [
         swarmgrad.Optimizer(
             dht=dht,
             run_id=run_id,
             target_batch_size=PEERS * BATCH * STEPS_PER_EPOCH,
             batch_size_per_step=BATCH,
-            optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9),
+            optimizer=make_sgd,
+            grad_averager_factory=averager_factory(index),
             params=model.parameters(),
             matchmaking_time=0.5,
             averaging_timeout=10.0,
             next_chunk_timeout=3.0,  # a loaded 2-core box stalls a sender for > 0.5 s
             averager_opts=averager_opts,
         )
-        for dht, model in zip(dhts, models, strict=True)
+        for index, (dht, model) in enumerate(zip(dhts, models, strict=True))
     ]
-    collusion = Collusion()
     epoch_times: dict[int, float] = {}
     errors: list[BaseException] = []
 
     def train(index: int) -> None:
         gen = torch.Generator().manual_seed(100 + index)
         model, opt = models[index], opts[index]
-        attacker = attack_kind is not None and index >= PEERS - ATTACKERS
         deadline = time.monotonic() + 240
         try:
             while opt.local_epoch < EPOCHS and time.monotonic() < deadline:
@@ -168,8 +210,6 @@ def run(attack_kind: str | None, robust: bool) -> dict:
                 rows = torch.randint(0, len(y), (BATCH,), generator=gen)
                 loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
                 loss.backward()
-                if attacker:
-                    attack(attack_kind, model, index, collusion, gen)
                 opt.step()
                 opt.zero_grad()
                 time.sleep(0.01)
