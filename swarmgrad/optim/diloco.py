@@ -84,9 +84,11 @@ __all__ = ["DiLoCoOptimizer", "split_into_fragments"]
 
 logger = logging.getLogger(__name__)
 
-#: a paced fragment never goes slower than this (bytes/s): a misjudged epoch length must
-#: not stretch a round past its timeout
-_MIN_PACED_RATE = 16 * 1024
+#: a paced fragment's round takes at most this share of ``averaging_timeout``, however
+#: long the epoch is thought to be: a misjudged epoch length must not stretch a round
+#: past its timeout (a fixed floor of 16 KB/s did that job before, and it held a 45-KB
+#: round at 16 KB/s where spreading it over the 3.3-s gap asked for 14)
+_MAX_PACED_SHARE_OF_TIMEOUT = 0.25
 
 
 def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -557,7 +559,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             payload += master.numel() * master.element_size() * ratio
         sent = 2 * (num_peers - 1) / num_peers * payload  # its parts out, its span back
         window = self.fragment_pace * epoch_length / len(self.fragments)
-        return max(sent / window, _MIN_PACED_RATE)
+        timeout = self.averaging_timeout if self.averaging_timeout else 60.0
+        return max(sent / window, sent / (_MAX_PACED_SHARE_OF_TIMEOUT * timeout), 1024.0)
 
     def _wait_for_round(self, control: StepControl, epoch: int) -> Any:
         """The round's result within averaging_timeout; None at once if it is still
