@@ -186,9 +186,10 @@ def aggregate_progress(
         # Read again before enough newcomers could have finished the epoch unseen.
         if math.isfinite(eta):
             refresh = eta * num_peers / expected_max_peers
-        else:  # peers, none with a speed yet: they are starting, and their pace is news
-            # soon (peers that waited the default 3 s in epoch 0 learnt the swarm's pace
-            # after the rest had synced their first streaming fragment without them)
+        else:  # peers, none with a speed yet: most likely starting, and their pace is
+            # news soon (peers that waited the default 3 s in epoch 0 learnt the swarm's
+            # pace after the rest had synced their first streaming fragment without them).
+            # A swarm that is idle instead costs one small read per min_refresh_period.
             refresh = rules.min_refresh_period
     refresh = min(max(refresh, rules.min_refresh_period), rules.max_refresh_period)
     return GlobalTrainingProgress(
