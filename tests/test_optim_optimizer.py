@@ -4,6 +4,7 @@ identity) train a small model together over loopback, in every mode, with bad in
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tests.optim_helpers import (
     Trainer,
     dht_swarm,
     join,
+    local_step,
     make_model,
     make_optimizer,
     max_difference,
@@ -328,6 +330,42 @@ def test_goodbye_removes_the_peer_from_the_swarm_count():
             opts[1].shutdown()
             opts[0].tracker.request_fetch()
             wait_until(lambda: opts[0].tracker.global_progress.num_peers == 1, 20, "goodbye")
+        finally:
+            shutdown_all(*opts)
+
+
+def test_a_round_whose_last_partner_left_proceeds_alone_without_waiting_out_the_timeout(
+    caplog,
+):
+    """Peer 1 says goodbye just as peer 0, which still counts it, ends its epoch: peer 0's
+    gradient round can no longer form a group. After a matchmaking time it reads the swarm,
+    sees nobody else, and steps with its own gradients instead of waiting out
+    averaging_timeout (60 s here; a lab run lost 30 s this way)."""
+    slow_reads = {"min_refresh_period": 0.5, "default_refresh_period": 60, "max_refresh_period": 60}
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [
+            make_optimizer(d, m, averaging_timeout=60.0, tracker_opts=slow_reads)
+            for d, m in zip(dhts, models, strict=True)
+        ]
+        try:
+            for o in opts:
+                o.tracker.report_local_progress(0, 8)
+            wait_until(lambda: opts[0].tracker.refresh(timeout=5).num_peers == 2, 20, "2 peers")
+            opts[1].shutdown()
+            generator = torch.Generator().manual_seed(0)
+            began = time.monotonic()
+            with caplog.at_level(logging.DEBUG, logger="swarmgrad.optim"):
+                while opts[0].local_epoch == 0:
+                    local_step(models[0], generator)
+                    opts[0].step()
+                    opts[0].zero_grad()
+                    assert time.monotonic() - began < 30, "the epoch waited for the timeout"
+            assert "every other peer left during epoch 0" in caplog.text, caplog.text
+            leaving = time.monotonic()
+            opts[0].shutdown()  # no state round left waiting for partners either
+            assert time.monotonic() - leaving < 10
+            assert time.monotonic() - began < 20
         finally:
             shutdown_all(*opts)
 

@@ -570,7 +570,11 @@ class Optimizer(torch.optim.Optimizer):
                     self._finish_averaging_gradients(control)
 
             next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
-            swarm_not_empty = self.tracker.global_progress.num_peers > 1
+            # the count is frozen while the epoch ends; a read since may show the others
+            # gone (a state round would then wait out its timeout for nobody)
+            swarm_not_empty = (
+                self.tracker.global_progress.num_peers > 1 and not self.tracker.others_left()
+            )
             # every peer of the swarm started this epoch with our state and applies the
             # same averaged gradients: a state round would move bytes and change nothing
             states_equal, self._states_equal = self._states_equal, False
@@ -741,9 +745,11 @@ class Optimizer(torch.optim.Optimizer):
 
     def _wait_for_round(self, control: StepControl) -> Any:
         """The round's result, within averaging_timeout. A round still looking for its
-        group once peers have moved past our epoch will never find one (rounds are
-        tagged with the epoch): it is cancelled rather than waited for."""
-        deadline = time.monotonic() + self.averaging_timeout
+        group once peers have moved past our epoch, or once every other peer has left,
+        will never find one (rounds are tagged with the epoch): it is cancelled rather
+        than waited for."""
+        began = time.monotonic()
+        deadline, asked = began + self.averaging_timeout, False
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -755,14 +761,30 @@ class Optimizer(torch.optim.Optimizer):
                     raise TimeoutError(
                         f"the gradient round took over {self.averaging_timeout} s"
                     ) from None
+                if control.stage is not AveragingStage.LOOKING_FOR_GROUP:
+                    continue
+                if not asked and time.monotonic() - began > self.matchmaking_time:
+                    # no group within a matchmaking time: read the swarm now (and, while
+                    # the epoch ends, every min_refresh_period) to learn who is left
+                    self.tracker.request_fetch()
+                    asked = True
                 moved_on = self.tracker.peers_ahead_of(self.local_epoch, refresh=False)
-                if control.stage is AveragingStage.LOOKING_FOR_GROUP and moved_on:
+                if moved_on:
                     control.cancel()
                     logger.log(
                         self.status_loglevel,
                         "%s: %d peer(s) finished epoch %d without us",
                         self.run_id,
                         moved_on,
+                        self.local_epoch,
+                    )
+                    return None
+                if self.tracker.others_left():
+                    control.cancel()
+                    logger.log(
+                        self.status_loglevel,
+                        "%s: every other peer left during epoch %d: no group to wait for",
+                        self.run_id,
                         self.local_epoch,
                     )
                     return None
@@ -972,6 +994,8 @@ class Optimizer(torch.optim.Optimizer):
         if getattr(self, "metrics", None) is not None:
             self.metrics.shutdown(min(2.0, self.shutdown_timeout))
         self.tracker.shutdown(self.shutdown_timeout)
+        if self.state_averager.drop_round_without_group():
+            logger.log(self.status_loglevel, "%s: dropped a state round with no group", self.run_id)
         self.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
         for control in (self.scheduled_grads, self.scheduled_state):
             if control is not None:

@@ -140,6 +140,7 @@ class ProgressTracker:
 
         self._lock = threading.Lock()  # guards local and global progress
         self._paused = 0
+        self._last_read_failed = True  # nothing read yet
         self._last_increment = 0  # samples of our last step: the grain of others' guesses
         self._distrusted: set[bytes] = set()
         self._last_records: dict[bytes, LocalTrainingProgress] = {}
@@ -356,6 +357,20 @@ class ProgressTracker:
                 and record.time <= horizon
             )
 
+    def others_left(self) -> bool:
+        """Whether the last read of the swarm (a successful one, made even inside
+        :meth:`pause_updates`) holds no live record of any other peer: every peer we
+        counted said goodbye or expired. A peer whose last partner left mid-epoch was
+        waiting out ``averaging_timeout`` for a group that could no longer form."""
+        horizon = get_dht_time() + self.rules.max_time_skew
+        with self._lock:
+            if self._last_read_failed:
+                return False
+            return not any(
+                key != self._local_public_key and record.time <= horizon
+                for key, record in self._last_records.items()
+            )
+
     def _aggregate_locked(self) -> None:
         """Recompute the global progress from the last records read (hold the lock)."""
         self.global_progress = aggregate_progress(
@@ -480,15 +495,17 @@ class ProgressTracker:
         node = self.dht.node
         if node is None:
             return
+        failed = False
         try:
             async with asyncio.timeout(max(self.rules.max_refresh_period, 5.0)):
                 found = await node.get(self.training_progress_key, latest=True)
         except (Exception, TimeoutError) as e:
             logger.debug("%s: reading progress failed: %r", self.prefix, e)
-            found = None
+            found, failed = None, True
         records = _parse_records(found)
         with self._lock:
             self._last_records = records
+            self._last_read_failed = failed
             if self._paused:
                 # the optimizer is moving between epochs: read again right after it
                 self.global_progress.next_fetch_time = (

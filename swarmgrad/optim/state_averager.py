@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from swarmgrad.averaging.averager import DecentralizedAverager
-from swarmgrad.averaging.step_control import StepControl
+from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.dht.dht import DHT
 from swarmgrad.optim.optimizer_state import (
     dump_optimizer_state,
@@ -133,6 +133,7 @@ class TrainingStateAverager(DecentralizedAverager):
         )
         self._pending: concurrent.futures.Future | None = None
         self._pending_lock = threading.Lock()
+        self._round_control: StepControl | None = None  # the background round's, if any
         self.finished_optimizer_step = threading.Event()
         self.finished_averaging_round = threading.Event()
         super().__init__(averaged, dht, **kwargs)
@@ -476,6 +477,7 @@ class TrainingStateAverager(DecentralizedAverager):
                     timeout=timeout,
                     require_trigger=True,
                 )
+            self._round_control = control
             control.allow_allreduce()
             gathered = control.result(timeout)
         except (Exception, concurrent.futures.CancelledError) as e:
@@ -540,6 +542,19 @@ class TrainingStateAverager(DecentralizedAverager):
             return
         if apply is not None:
             apply()
+
+    def drop_round_without_group(self) -> bool:
+        """Cancel the background state round if it is still looking for a group (True if
+        one was): a leaving peer would otherwise wait up to its timeout for partners that
+        may be gone, and a round without a group changes nobody's state. A round whose
+        group formed is left to finish: its members count on this peer's part."""
+        control = self._round_control
+        if control is None or control.done():
+            return False
+        if control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+            return False
+        control.cancel()
+        return True
 
     def shutdown(self) -> None:
         """Finish the background work (bounded by ``shutdown_timeout``), then leave."""
