@@ -575,6 +575,9 @@ class Optimizer(torch.optim.Optimizer):
             swarm_not_empty = (
                 self.tracker.global_progress.num_peers > 1 and not self.tracker.others_left()
             )
+            if not swarm_not_empty:
+                # nor wait below for an earlier epoch's state round still looking for them
+                self.state_averager.drop_round_without_group()
             # every peer of the swarm started this epoch with our state and applies the
             # same averaged gradients: a state round would move bytes and change nothing
             states_equal, self._states_equal = self._states_equal, False
