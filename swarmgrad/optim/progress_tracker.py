@@ -346,30 +346,35 @@ class ProgressTracker:
         that cannot find a donor learns that the peers it was catching up with have left."""
         if refresh:
             run_coroutine(self._fetch_once(), timeout=timeout)
-        horizon = get_dht_time() + self.rules.max_time_skew
         with self._lock:
             return sum(
                 1
-                for key, record in self._last_records.items()
-                if key != self._local_public_key
-                and key not in self._distrusted
-                and record.epoch > epoch
-                and record.time <= horizon
+                for key, record in self._others_in_last_read()
+                if key not in self._distrusted and record.epoch > epoch
             )
 
     def others_left(self) -> bool:
         """Whether the last read of the swarm (a successful one, made even inside
-        :meth:`pause_updates`) holds no live record of any other peer: every peer we
-        counted said goodbye or expired. A peer whose last partner left mid-epoch was
-        waiting out ``averaging_timeout`` for a group that could no longer form."""
-        horizon = get_dht_time() + self.rules.max_time_skew
+        :meth:`pause_updates`, and holding our own record) has no live record of any
+        other peer: every peer we counted said goodbye or expired. A peer whose last
+        partner left mid-epoch was waiting out ``averaging_timeout`` for a group that
+        could no longer form."""
         with self._lock:
-            if self._last_read_failed:
+            # a read that misses our own record (a lookup that timed out inside the DHT,
+            # or returned before reaching the replicas) proves nothing about the others
+            if self._last_read_failed or self._local_public_key not in self._last_records:
                 return False
-            return not any(
-                key != self._local_public_key and record.time <= horizon
-                for key, record in self._last_records.items()
-            )
+            return not self._others_in_last_read()
+
+    def _others_in_last_read(self) -> list[tuple[bytes, LocalTrainingProgress]]:
+        """The other peers' records of the last read, those from the future left out
+        (hold the lock)."""
+        horizon = get_dht_time() + self.rules.max_time_skew
+        return [
+            (key, record)
+            for key, record in self._last_records.items()
+            if key != self._local_public_key and record.time <= horizon
+        ]
 
     def _aggregate_locked(self) -> None:
         """Recompute the global progress from the last records read (hold the lock)."""
