@@ -313,6 +313,28 @@ def test_declarations_are_parsed_leniently_and_ordered_best_first():
     assert parse_declarations(None) == []
 
 
+def test_among_equal_donors_the_faster_announced_links_come_first():
+    ids = [Identity.generate().peer_id for _ in range(5)]
+    entries = {
+        ids[0].to_base58(): encode_declaration(3.0, [], None, None, bandwidth=10.0),
+        ids[1].to_base58(): encode_declaration(3.0, [], None, None, bandwidth=100.0),
+        ids[2].to_base58(): encode_declaration(3.0, [], None, None),  # announced nothing
+        ids[3].to_base58(): encode_declaration(3.0, [], None, None, bandwidth=20.0),
+        # an older peer's declaration (no "bw") and a nonsensical one count as unknown
+        ids[4].to_base58(): {"v": 1, "priority": 4.0, "maddrs": [], "bw": -5},
+    }
+    found = ValueWithExpiration({k: ValueWithExpiration(v, 1e10) for k, v in entries.items()}, 1e10)
+    records = parse_declarations(found)
+    assert {r.peer_id: r.bandwidth for r in records} == {
+        ids[0]: 10.0, ids[1]: 100.0, ids[2]: None, ids[3]: 20.0, ids[4]: None
+    }  # fmt: skip
+    for seed in range(5):
+        ordered = [r.peer_id for r in order_donors(records, random.Random(seed))]
+        # a higher priority still wins; the unknown one counts as the median (20)
+        assert ordered[0] == ids[4] and ordered[1] == ids[1] and ordered[-1] == ids[0]
+        assert set(ordered[2:4]) == {ids[2], ids[3]}
+
+
 # ---------------------------------------------------------------------- state compression
 
 

@@ -102,6 +102,38 @@ def test_state_comes_from_three_donors_at_once_and_matches():
     assert sessions_left == [0, 0, 0]  # the downloader released its sessions
 
 
+def test_a_one_chunk_state_comes_from_the_donor_with_the_fastest_announced_link():
+    """A lab run of the DeDLOC benchmark had its 10 Mbit/s peer serve a whole model to a
+    joiner while a 100 Mbit/s peer with the same state idled: the chunk went to whichever
+    donor answered first. Now the donor order decides: priority, then announced links."""
+    state = make_state(3)  # 80 KB: one chunk of 1 MiB
+    rates = [10.0, 100.0, None, 20.0]
+
+    async def main(network, seed):
+        nodes = await start_nodes(network, 5, random.Random(seed))
+        donors = [
+            share(node, state, chunk_size_bytes=1 << 20, bandwidth=rate)
+            for node, rate in zip(nodes[1:], rates, strict=True)
+        ]
+        await asyncio.sleep(1)
+        downloader = StateDownloader(nodes[0].peer, nodes[0], prefix=PREFIX)
+        result = await downloader.run(timeout=30)
+        served = [d.stats.chunks_served for d in donors]
+        await stop(donors, nodes)
+        return result, served
+
+    for seed in range(4):
+        result, served = run_simulation(
+            lambda network, seed=seed: main(network, seed),
+            latency=0.01,
+            bandwidth=50e6,
+            seed=seed,
+            check_leftover_tasks=True,
+        )
+        assert same_state(result, state)
+        assert served == [0, 1, 0, 0], (seed, served)
+
+
 def test_a_donor_that_dies_midway_is_replaced_and_the_state_is_complete():
     state = make_state(2, size=100_000)
 

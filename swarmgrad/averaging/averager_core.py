@@ -299,6 +299,7 @@ class AsyncDecentralizedAverager:
                 allow_state_sharing=allow_state_sharing,
                 declare_state_period=declare_state_period,
                 state_lock=self.lock,
+                bandwidth=self.bandwidth,
                 **{"state_compression": self.state_compression, **(state_sharing_options or {})},
             )
         self._download_options = dict(state_download_options or {})

@@ -1,9 +1,10 @@
 """The joining side of state transfer: download a state in chunks from several donors.
 
 :func:`load_state_from_peers` reads the donors' declarations from the DHT, orders them
-(highest priority first; among equals, those sharing the most common state, then at
-random) and opens download sessions with the best ``max_donors`` of them (a donor that
-is busy or does not answer is replaced by the next one). The best session's manifest is
+(highest priority first; among equals, those sharing the most common state, then those
+with the fastest announced links, then at random) and opens download sessions with the
+best ``max_donors`` of them (a donor that is busy or does not answer is replaced by the
+next one); the best-ranked donors take the first chunks. The best session's manifest is
 the *target*: its chunks are fetched from every donor whose manifest lists the same
 digest for them, ``chunks_in_flight_per_donor`` at a time from each, and every chunk is
 checked against its digest before it is written.
@@ -382,7 +383,8 @@ class StateDownloader:
         complete; False when the chunks left are held by no remaining donor."""
         round_ = _Round(target, assembler, ChunkScheduler(assembler.missing))
         self._round = round_
-        for session in self._live():
+        # the best-ranked donors take the first chunks (all of a one-chunk state)
+        for session in sorted(self._live(), key=lambda s: s.rank):
             self._add_donor(round_, session)
         self._check_finished(round_)
         try:

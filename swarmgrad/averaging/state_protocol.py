@@ -5,12 +5,16 @@ Declarations (one per donor, refreshed every ``declare_state_period``)::
     key    "<prefix>.all_averagers"
     subkey the donor's PeerID (base58)
     value  {"v": 1, "priority": float, "maddrs": [str], "digest": bytes | None,
-            "size": int | None}
+            "size": int | None, "bw": float | None}
 
 ``priority`` ranks donors (higher first: e.g. the donor's epoch or step); ``digest`` is
 the root digest of the donor's latest snapshot, if it has made one, and ``size`` its
 byte count: donors advertising the same digest hold the same state and can share one
-download. The donor's RPCs (``<prefix>.state.manifest``, ``.chunk``, ``.release``) are
+download. ``bw`` is the bandwidth the donor announced to its averager (any unit, the
+same across the run; absent in declarations of older peers): among donors of equal
+priority, joiners ask those with faster links first, so a slow volunteer's uplink is not
+spent serving whole models while a fast one idles (DeDLOC sizes the all-reduce's spans
+the same way). The donor's RPCs (``<prefix>.state.manifest``, ``.chunk``, ``.release``) are
 described in :mod:`swarmgrad.averaging.state_sharing`.
 """
 
@@ -69,10 +73,15 @@ class DonorRecord:
     maddrs: tuple[str, ...]
     digest: bytes | None = None
     size: int | None = None
+    bandwidth: float | None = None
 
 
 def encode_declaration(
-    priority: float, maddrs: Sequence[str], digest: bytes | None, size: int | None
+    priority: float,
+    maddrs: Sequence[str],
+    digest: bytes | None,
+    size: int | None,
+    bandwidth: float | None = None,
 ) -> dict[str, Any]:
     return {
         "v": DECLARATION_VERSION,
@@ -80,6 +89,7 @@ def encode_declaration(
         "maddrs": [str(m) for m in maddrs][:MAX_MADDRS],
         "digest": digest,
         "size": size,
+        "bw": None if bandwidth is None else float(bandwidth),
     }
 
 
@@ -100,7 +110,17 @@ def _parse_one(subkey: Any, value: Any) -> DonorRecord | None:
         digest = None
     if size is not None and not (type(size) is int and size >= 0):
         size = None
-    return DonorRecord(peer_id, float(priority), tuple(maddrs[:MAX_MADDRS]), digest, size)
+    bandwidth = value.get("bw")
+    if type(bandwidth) not in (int, float) or not 0 < bandwidth < math.inf:
+        bandwidth = None
+    return DonorRecord(
+        peer_id,
+        float(priority),
+        tuple(maddrs[:MAX_MADDRS]),
+        digest,
+        size,
+        None if bandwidth is None else float(bandwidth),
+    )
 
 
 def parse_declarations(
@@ -123,10 +143,20 @@ def parse_declarations(
 
 def order_donors(records: Sequence[DonorRecord], rng: random.Random) -> list[DonorRecord]:
     """Best first: higher priority; among equals, those whose advertised state more
-    donors share (more of them can serve the same chunks); then random."""
+    donors share (more of them can serve the same chunks); then the faster announced
+    links (a donor that announced none counts as the median of those that did); then
+    random."""
     popularity = Counter(r.digest for r in records if r.digest is not None)
+    announced = sorted(r.bandwidth for r in records if r.bandwidth is not None)
+    typical = announced[len(announced) // 2] if announced else 0.0
     keyed = [
-        (-r.priority, -popularity.get(r.digest, 0) if r.digest else 0, rng.random(), i)
+        (
+            -r.priority,
+            -popularity.get(r.digest, 0) if r.digest else 0,
+            -(r.bandwidth if r.bandwidth is not None else typical),
+            rng.random(),
+            i,
+        )
         for i, r in enumerate(records)
     ]
     return [records[key[-1]] for key in sorted(keyed)]

@@ -122,6 +122,9 @@ class StateSharing:
     ``state_compression`` (default: none) encodes the floating-point tensors of each
     snapshot, after the copy and outside the lock (see the module docstring).
 
+    ``bandwidth``: the link rate the averager announces, declared so that joiners ask
+    faster donors first (:func:`~.state_protocol.order_donors`).
+
     Call :meth:`start` on the event loop, and ``await shutdown()`` to withdraw.
     """
 
@@ -143,6 +146,7 @@ class StateSharing:
         copy_state: bool = True,
         state_lock: contextlib.AbstractContextManager | None = None,
         state_compression: StateCompression = None,
+        bandwidth: float | None = None,
     ):
         if declare_state_period <= 0 or session_idle_timeout <= 0 or max_session_time <= 0:
             raise ValidationError("state sharing periods and timeouts must be positive")
@@ -163,6 +167,7 @@ class StateSharing:
         self.copy_state = copy_state
         self.state_lock = state_lock
         self.state_compression = resolve_state_compression(state_compression)
+        self.bandwidth = bandwidth
         self.rpc = StateRPC.for_prefix(prefix)
         self.key = declaration_key(prefix)
         self.stats = SharingStats()
@@ -265,7 +270,7 @@ class StateSharing:
             manifest = self._snapshot.snapshot.manifest
             digest, size = manifest.root_digest, manifest.total_bytes
         maddrs = [str(m) for m in self.peer.get_visible_maddrs()]
-        value = encode_declaration(self.priority, maddrs, digest, size)
+        value = encode_declaration(self.priority, maddrs, digest, size, self.bandwidth)
         expiration = self.dht_node.time_fn() + 2 * self.declare_state_period
         if self._declared_until is not None:
             expiration = max(expiration, self._declared_until + 1e-3)
