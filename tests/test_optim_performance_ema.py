@@ -66,10 +66,28 @@ def test_early_updates_are_a_plain_mean_until_alpha_takes_over():
 
 def test_the_interval_defaults_to_the_time_since_the_previous_update(clock):
     ema = PerformanceEMA(alpha=1.0)
+    ema.reset_timer()
     clock.advance(4)
     assert ema.update(8) == pytest.approx(2.0)
     clock.advance(1)
     assert ema.update(8) == pytest.approx(8.0)
+
+
+def test_the_start_up_before_the_first_update_is_a_lower_bound_then_dropped(clock):
+    """The first interval runs from construction and holds the process and the swarm
+    starting: a lab peer counted its 1.2 s start-up in its first step and published 20
+    to 107 samples/s over its first six steps where it made 720."""
+    ema = PerformanceEMA(alpha=0.1)
+    clock.advance(1.2)
+    # a rate at once (a peer whose epoch is one big step needs its samples counted)...
+    assert ema.update(16) == pytest.approx(16 / 1.2) and ema.num_updates == 0
+    for _ in range(3):
+        clock.advance(0.02)
+        ema.update(16)
+    # ...but not averaged in: the measured steps alone
+    assert ema.samples_per_second == pytest.approx(800.0) and ema.num_updates == 3
+    # an interval given explicitly is a measurement, first or not
+    assert PerformanceEMA(alpha=1.0).update(16, interval=0.5) == pytest.approx(32.0)
 
 
 def test_reset_timer_starts_the_next_interval_now(clock):
@@ -82,6 +100,7 @@ def test_reset_timer_starts_the_next_interval_now(clock):
 
 def test_time_inside_pause_is_not_counted(clock):
     ema = PerformanceEMA(alpha=0.5)
+    ema.reset_timer()
     clock.advance(2)
     assert ema.update(10) == pytest.approx(5.0)
     clock.advance(1)  # one second of work before the pause...

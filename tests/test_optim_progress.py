@@ -146,10 +146,17 @@ def test_eta_is_now_once_the_target_is_reached_and_infinite_without_any_rate():
     assert idle.next_fetch_time == NOW + RULES.min_refresh_period
 
 
-def test_a_lonely_peer_reads_again_after_the_default_refresh_period():
+def test_a_lonely_peer_reads_again_before_newcomers_could_finish_the_epoch_unseen():
+    # alone, eta 990 s: 990 * 1 / (1 + 3), clipped to the longest period
     progress = aggregate({}, local=record(samples=10, rate=1.0))
     assert progress.num_peers == 1
-    assert progress.next_fetch_time == NOW + RULES.default_refresh_period
+    assert progress.next_fetch_time == NOW + RULES.max_refresh_period
+    # eta 8 s: read again after 2 s
+    progress = aggregate({}, local=record(samples=10, rate=1.0), target=18)
+    assert progress.next_fetch_time == pytest.approx(NOW + 2.0)
+    # no speed yet (just started): the others' records may be a moment away
+    progress = aggregate({}, local=record(samples=0, rate=0.0))
+    assert progress.next_fetch_time == NOW + RULES.min_refresh_period
 
 
 def test_refresh_period_shrinks_with_the_eta_within_its_bounds():

@@ -77,6 +77,28 @@ def test_tracker_refuses_bad_arguments():
             ProgressTracker(dht, RUN, target_batch_size=1, tolerance=0.1, start=False)
 
 
+def test_a_failed_read_is_retried_after_the_default_refresh_period(monkeypatch):
+    """A peer alone or starting reads again every min_refresh_period; a read that failed
+    (the DHT unreachable or slow) waits default_refresh_period instead of hammering it."""
+    with dht_swarm(1) as (dht,):
+        tracker = ProgressTracker(
+            dht, RUN, target_batch_size=100, default_refresh_period=7, start=True
+        )
+        try:
+            assert tracker.refresh(timeout=5).next_fetch_time < get_dht_time() + 1
+
+            async def unreachable(*args, **kwargs):
+                raise ConnectionError("no route to the DHT's replicas")
+
+            monkeypatch.setattr(dht.node, "get", unreachable)
+            before = get_dht_time()
+            progress = tracker.refresh(timeout=5)
+            assert tracker._last_read_failed
+            assert before + 7 <= progress.next_fetch_time <= get_dht_time() + 7
+        finally:
+            tracker.shutdown(timeout=5)
+
+
 def test_record_from_the_future_is_ignored():
     with dht_swarm(2) as dhts:
         tracker = ProgressTracker(dhts[0], RUN, target_batch_size=100, start=True)

@@ -102,7 +102,7 @@ class ProgressRules:
 
     min_refresh_period: float = 0.5
     max_refresh_period: float = 10.0
-    default_refresh_period: float = 3.0
+    default_refresh_period: float = 3.0  # after a read that failed (see ProgressTracker)
     expected_drift_peers: float = 3.0
     expected_drift_rate: float = 0.2
     max_time_skew: float = 10.0
@@ -177,20 +177,21 @@ def aggregate_progress(
         eta = remaining / total_rate
     else:
         eta = math.inf
-    if num_peers <= 1:
-        refresh = rules.default_refresh_period
-    else:
-        expected_max_peers = max(
-            num_peers + rules.expected_drift_peers, num_peers * (1 + rules.expected_drift_rate)
-        )
-        # Read again before enough newcomers could have finished the epoch unseen.
-        if math.isfinite(eta):
-            refresh = eta * num_peers / expected_max_peers
-        else:  # peers, none with a speed yet: most likely starting, and their pace is
-            # news soon (peers that waited the default 3 s in epoch 0 learnt the swarm's
-            # pace after the rest had synced their first streaming fragment without them).
-            # A swarm that is idle instead costs one small read per min_refresh_period.
-            refresh = rules.min_refresh_period
+    expected_max_peers = max(
+        num_peers + rules.expected_drift_peers, num_peers * (1 + rules.expected_drift_rate)
+    )
+    # Read again before enough newcomers could have finished the epoch unseen.
+    if math.isfinite(eta):
+        refresh = eta * num_peers / expected_max_peers
+    else:  # peers, none with a speed yet: most likely starting, and their pace is
+        # news soon (peers that waited the default 3 s in epoch 0 learnt the swarm's
+        # pace after the rest had synced their first streaming fragment without them).
+        # That holds for a peer that sees only itself, too: at start the others'
+        # records are often a moment from reaching its DHT (lab: a peer whose first
+        # read came back alone read again 3 s later, after the others had averaged
+        # epoch 0 without it, and downloaded their state). A swarm that is idle
+        # instead costs one small read per min_refresh_period.
+        refresh = rules.min_refresh_period
     refresh = min(max(refresh, rules.min_refresh_period), rules.max_refresh_period)
     return GlobalTrainingProgress(
         epoch=epoch,

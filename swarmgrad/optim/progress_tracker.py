@@ -518,6 +518,10 @@ class ProgressTracker:
                 )
                 return
             self._aggregate_locked()
+            if failed:  # the DHT is unreachable or slow: no point reading again at once
+                self.global_progress.next_fetch_time = (
+                    get_dht_time() + self.rules.default_refresh_period
+                )
         self.fetched_global_progress_this_epoch.set()
         progress = self.global_progress
         logger.log(
