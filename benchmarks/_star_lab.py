@@ -197,6 +197,16 @@ class StarLab:
         out = _run(f"ip -n {self.hosts[host]} -j -s link show eth0")
         return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
 
+    def tx_bytes_all(self) -> list[int]:
+        """Bytes every host has sent so far, read in one snapshot: what the hub's end of
+        each veth received. For rates over short windows: reading the hosts one after
+        another (one ``ip`` each) took up to a few hundred milliseconds on a busy
+        machine, so a window's two readings were further apart than their timestamps
+        said and a steady stream looked faster than it was."""
+        out = json.loads(_run(f"ip -n {self.hub} -j -s link show"))
+        received = {link["ifname"]: int(link["stats64"]["rx"]["bytes"]) for link in out}
+        return [received[f"p{i}"] for i in range(len(self.hosts))]
+
     def close(self) -> None:
         for ns in reversed(self._made):
             _run(f"ip netns delete {ns}", check=False)

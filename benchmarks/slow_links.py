@@ -91,7 +91,7 @@ class Network:
 
     def sent(self) -> list[int]:
         if self.lab is not None:
-            return [self.lab.tx_bytes(i) for i in range(self.peers)]
+            return self.lab.tx_bytes_all()
         with open("/proc/net/dev") as f:
             for line in f:
                 if line.strip().startswith("lo:"):
@@ -153,7 +153,8 @@ def run_mode(
             for p in peers:
                 if p.process.poll() not in (None, 0) and p is not victim:
                     raise RuntimeError(f"{mode}: a peer exited with {p.process.returncode}")
-            samples_log.append((time.time(), net.sent()))
+            sent = net.sent()  # timestamped when read, not before the read began
+            samples_log.append((time.time(), sent))
             if victim is not None and killed_epoch is None:
                 reached = peers[0].epochs()
                 if (
