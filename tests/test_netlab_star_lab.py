@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import _star_lab  # noqa: E402
+import _star_lab
 
 
 @pytest.mark.netlab
