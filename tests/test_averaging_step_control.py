@@ -109,3 +109,23 @@ def test_bad_weights_and_times_are_refused():
     with pytest.raises(ValidationError, match="weight"):
         control.weight = float("nan")
     assert control.scheduled_time == 5.0 and "idle" in repr(control)
+
+
+def test_only_a_step_without_a_group_is_cancelled_by_cancel_if_ungrouped(arun):
+    async def main():
+        idle = StepControl(scheduled_time=1.0, weight=1.0)
+        looking = StepControl(scheduled_time=1.0, weight=1.0)
+        looking._set_stage(AveragingStage.LOOKING_FOR_GROUP)
+        grouped = StepControl(scheduled_time=1.0, weight=1.0, require_trigger=True)
+        task = asyncio.ensure_future(fake_step(grouped))
+        await asyncio.sleep(0.01)
+        assert grouped.stage is AveragingStage.AWAITING_TRIGGER
+        outcomes = [c.cancel_if_ungrouped() for c in (idle, looking, grouped)]
+        grouped.allow_allreduce()
+        assert await task == "done"
+        assert not grouped.cancel_if_ungrouped()  # finished
+        return outcomes, idle, looking, grouped
+
+    outcomes, idle, looking, grouped = arun(main)
+    assert outcomes == [True, True, False]
+    assert idle.cancelled() and looking.cancelled() and grouped.result(0) == "done"

@@ -161,6 +161,16 @@ class StepControl(concurrent.futures.Future):
             _call_on(loop, task.cancel)
         return cancelled
 
+    def cancel_if_ungrouped(self) -> bool:
+        """Cancel the step if it has no group yet (True if it was cancelled). A step
+        whose group formed is left alone: its members count on this peer's part."""
+        if self.done() or self._stage not in (
+            AveragingStage.IDLE,
+            AveragingStage.LOOKING_FOR_GROUP,
+        ):
+            return False
+        return self.cancel()
+
     # ------------------------------------------------------------------ averager side
 
     def _bind(self, task: asyncio.Task) -> None:

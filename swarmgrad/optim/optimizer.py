@@ -974,12 +974,9 @@ class Optimizer(torch.optim.Optimizer):
                 control.cancel()
 
     def _release(self, control: StepControl) -> None:
-        if control.done():
+        if control.cancel_if_ungrouped() or control.done():
             return
-        if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
-            control.cancel()
-        else:
-            self._tag_along_with_zero_weight(control)
+        self._tag_along_with_zero_weight(control)
 
     def _raise_group_error(self) -> None:
         error, self._group_error = self._group_error, None

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from swarmgrad.averaging.averager import DecentralizedAverager
-from swarmgrad.averaging.step_control import AveragingStage, StepControl
+from swarmgrad.averaging.step_control import StepControl
 from swarmgrad.dht.dht import DHT
 from swarmgrad.optim.optimizer_state import (
     dump_optimizer_state,
@@ -549,12 +549,7 @@ class TrainingStateAverager(DecentralizedAverager):
         may be gone, and a round without a group changes nobody's state. A round whose
         group formed is left to finish: its members count on this peer's part."""
         control = self._round_control
-        if control is None or control.done():
-            return False
-        if control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
-            return False
-        control.cancel()
-        return True
+        return control is not None and control.cancel_if_ungrouped()
 
     def shutdown(self) -> None:
         """Finish the background work (bounded by ``shutdown_timeout``), then leave."""
