@@ -48,7 +48,16 @@ def record(
     )
 
 
-def aggregate(records, local=None, *, target=1_000, started=LONG_AGO, distrusted=(), **rules):
+def aggregate(
+    records,
+    local=None,
+    *,
+    target=1_000,
+    started=LONG_AGO,
+    distrusted=(),
+    observing_since=None,
+    **rules,
+):
     return aggregate_progress(
         records,
         local_key=LOCAL,
@@ -58,6 +67,7 @@ def aggregate(records, local=None, *, target=1_000, started=LONG_AGO, distrusted
         epoch_started_at=started,
         distrusted=frozenset(distrusted),
         rules=ProgressRules(**rules),
+        observing_since=observing_since,
     )
 
 
@@ -157,6 +167,21 @@ def test_a_lonely_peer_reads_again_before_newcomers_could_finish_the_epoch_unsee
     # no speed yet (just started): the others' records may be a moment away
     progress = aggregate({}, local=record(samples=0, rate=0.0))
     assert progress.next_fetch_time == NOW + RULES.min_refresh_period
+
+
+def test_a_young_estimate_is_not_trusted_beyond_half_the_time_watched():
+    """Lab peers read an ETA of 38 s four seconds after starting (the speeds were still
+    start-up lower bounds) and planned their next read 10 s ahead; epoch 0 ended 3 s
+    later without them."""
+    peers = {b"a": record(rate=10.0), b"b": record(rate=10.0)}
+    unbounded = aggregate(peers, local=record(rate=10.0), target=1_200)  # eta 40 s
+    assert unbounded.next_fetch_time == NOW + RULES.max_refresh_period
+    young = aggregate(peers, local=record(rate=10.0), target=1_200, observing_since=NOW - 4)
+    assert young.next_fetch_time == pytest.approx(NOW + 2.0)
+    just_started = aggregate(peers, local=record(rate=10.0), target=1_200, observing_since=NOW)
+    assert just_started.next_fetch_time == NOW + RULES.min_refresh_period
+    old = aggregate(peers, local=record(rate=10.0), target=1_200, observing_since=NOW - 60)
+    assert old.next_fetch_time == unbounded.next_fetch_time
 
 
 def test_refresh_period_shrinks_with_the_eta_within_its_bounds():

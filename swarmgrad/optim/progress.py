@@ -129,12 +129,15 @@ def aggregate_progress(
     epoch_started_at: float,
     distrusted: frozenset[bytes] = frozenset(),
     rules: ProgressRules = ProgressRules(),
+    observing_since: float | None = None,
 ) -> GlobalTrainingProgress:
     """The swarm's progress from the peers' ``records`` (subkey -> record) and our own
     ``local`` progress (which replaces whatever the DHT still holds under ``local_key``).
 
     ``epoch_started_at`` is when this peer saw the current global epoch begin; claims of
-    samples are checked against it (see the module docstring)."""
+    samples are checked against it (see the module docstring). ``observing_since``:
+    when this peer began reading the swarm; the next read is planned at most half that
+    long ahead (see below)."""
     peers = {key: record for key, record in records.items() if key != local_key}
     peers = {key: r for key, r in peers.items() if r.time <= now + rules.max_time_skew}
     entries = [(local_key, local), *peers.items()]
@@ -192,6 +195,13 @@ def aggregate_progress(
         # epoch 0 without it, and downloaded their state). A swarm that is idle
         # instead costs one small read per min_refresh_period.
         refresh = rules.min_refresh_period
+    if observing_since is not None:
+        # Speeds published in a swarm's first seconds are lower bounds (a peer's first
+        # step includes its start-up), so its first ETAs are far too long: lab peers that
+        # read 38 s at their fourth second planned their next read 10 s ahead and missed
+        # epoch 0, which ended 3 s later. An estimate from T seconds of watching is not
+        # trusted beyond T / 2; after twice max_refresh_period this changes nothing.
+        refresh = min(refresh, 0.5 * max(0.0, now - observing_since))
     refresh = min(max(refresh, rules.min_refresh_period), rules.max_refresh_period)
     return GlobalTrainingProgress(
         epoch=epoch,

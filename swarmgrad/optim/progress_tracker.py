@@ -146,6 +146,7 @@ class ProgressTracker:
         self._last_records: dict[bytes, LocalTrainingProgress] = {}
         # (epoch, DHT time this peer saw it begin): claims of samples are checked against it
         self._epoch_began = (0, get_dht_time())
+        self._observing_since = get_dht_time()  # reset when the tracker starts
         self.local_progress = self._make_local_progress(0, 0)
         self.global_progress = GlobalTrainingProgress(
             epoch=0,
@@ -173,6 +174,7 @@ class ProgressTracker:
         if self._task is not None:
             raise ValidationError("this ProgressTracker is already running")
         ready = threading.Event()
+        self._observing_since = get_dht_time()
         self._task = run_coroutine_future(self._run(ready))
         while not ready.wait(0.1):
             if self._task.done():
@@ -387,6 +389,7 @@ class ProgressTracker:
             epoch_started_at=self._epoch_began[1],
             distrusted=frozenset(self._distrusted),
             rules=self.rules,
+            observing_since=self._observing_since,
         )
         if self.global_progress.epoch != self._epoch_began[0]:
             # a new epoch (or the end of a believed lie): samples count from now
