@@ -56,6 +56,7 @@ def aggregate(
     started=LONG_AGO,
     distrusted=(),
     observing_since=None,
+    read_failed=False,
     **rules,
 ):
     return aggregate_progress(
@@ -68,6 +69,7 @@ def aggregate(
         distrusted=frozenset(distrusted),
         rules=ProgressRules(**rules),
         observing_since=observing_since,
+        read_failed=read_failed,
     )
 
 
@@ -182,6 +184,11 @@ def test_a_young_estimate_is_not_trusted_beyond_half_the_time_watched():
     assert just_started.next_fetch_time == NOW + RULES.min_refresh_period
     old = aggregate(peers, local=record(rate=10.0), target=1_200, observing_since=NOW - 60)
     assert old.next_fetch_time == unbounded.next_fetch_time
+
+
+def test_after_a_failed_read_the_next_waits_the_default_refresh_period():
+    progress = aggregate({}, local=record(samples=0, rate=0.0), read_failed=True)
+    assert progress.next_fetch_time == NOW + RULES.default_refresh_period
 
 
 def test_refresh_period_shrinks_with_the_eta_within_its_bounds():

@@ -130,6 +130,7 @@ def aggregate_progress(
     distrusted: frozenset[bytes] = frozenset(),
     rules: ProgressRules = ProgressRules(),
     observing_since: float | None = None,
+    read_failed: bool = False,
 ) -> GlobalTrainingProgress:
     """The swarm's progress from the peers' ``records`` (subkey -> record) and our own
     ``local`` progress (which replaces whatever the DHT still holds under ``local_key``).
@@ -137,7 +138,8 @@ def aggregate_progress(
     ``epoch_started_at`` is when this peer saw the current global epoch begin; claims of
     samples are checked against it (see the module docstring). ``observing_since``:
     when this peer began reading the swarm; the next read is planned at most half that
-    long ahead (see below)."""
+    long ahead (see below). ``read_failed``: the last read of the swarm failed (the DHT
+    unreachable or slow): the next one waits ``default_refresh_period``."""
     peers = {key: record for key, record in records.items() if key != local_key}
     peers = {key: r for key, r in peers.items() if r.time <= now + rules.max_time_skew}
     entries = [(local_key, local), *peers.items()]
@@ -202,6 +204,8 @@ def aggregate_progress(
         # epoch 0, which ended 3 s later. An estimate from T seconds of watching is not
         # trusted beyond T / 2; after twice max_refresh_period this changes nothing.
         refresh = min(refresh, 0.5 * max(0.0, now - observing_since))
+    if read_failed:  # no point asking a DHT that just failed again at once
+        refresh = rules.default_refresh_period
     refresh = min(max(refresh, rules.min_refresh_period), rules.max_refresh_period)
     return GlobalTrainingProgress(
         epoch=epoch,

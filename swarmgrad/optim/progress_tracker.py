@@ -390,6 +390,7 @@ class ProgressTracker:
             distrusted=frozenset(self._distrusted),
             rules=self.rules,
             observing_since=self._observing_since,
+            read_failed=self._last_read_failed,
         )
         if self.global_progress.epoch != self._epoch_began[0]:
             # a new epoch (or the end of a believed lie): samples count from now
@@ -521,10 +522,6 @@ class ProgressTracker:
                 )
                 return
             self._aggregate_locked()
-            if failed:  # the DHT is unreachable or slow: no point reading again at once
-                self.global_progress.next_fetch_time = (
-                    get_dht_time() + self.rules.default_refresh_period
-                )
         self.fetched_global_progress_this_epoch.set()
         progress = self.global_progress
         logger.log(
