@@ -104,6 +104,20 @@ def count_bytes_per_protocol() -> None:
         return await original_store_many(self, keys, *args, **kwargs)
 
     dht_node.DHTNode.store_many = counting_store_many
+    lookups: collections.Counter = collections.Counter()
+    original_lookup = dht_node.DHTNode._lookup
+
+    async def counting_lookup(self, key_id, *args, find_value, latest=False, **kwargs):
+        result = await original_lookup(
+            self, key_id, *args, find_value=find_value, latest=latest, **kwargs
+        )
+        kind = "get" if find_value else "store"
+        lookups[f"{kind} lookups"] += 1
+        lookups[f"{kind} nodes asked"] += len(result.nearest)
+        return result
+
+    dht_node.DHTNode._lookup = counting_lookup
+    atexit.register(lambda: print("lookups", json.dumps(lookups.most_common()), file=sys.stderr))
     atexit.register(lambda: print("stored", json.dumps(stores.most_common(8)), file=sys.stderr))
     atexit.register(lambda: print("sent", json.dumps(sent.most_common(15)), file=sys.stderr))
     atexit.register(lambda: print("writes", json.dumps(writes.most_common(15)), file=sys.stderr))

@@ -247,6 +247,50 @@ def test_hot_cached_keys_are_refreshed_before_they_expire():
     assert cached is not None and cached.expiration_time == now + 120
 
 
+def _count_searches(node) -> list:
+    """Replace node._search by a wrapper that records, per search, whether it was latest."""
+    searched, original = [], node._search
+
+    async def counting(key_bytes, key_id, latest):
+        searched.append(latest)
+        return await original(key_bytes, key_id, latest)
+
+    node._search = counting
+    return searched
+
+
+def test_only_reads_the_cache_answers_keep_a_key_refreshed():
+    """A plain get marks a key for one refresh before its cached copy expires; neither a
+    latest-get (which asks the network every time anyway) nor the refresh itself does:
+    before, a streaming DiLoCo peer refreshed its progress key about once a second, and a
+    key read once was refreshed for as long as it existed."""
+
+    async def main(network):
+        nodes = await make_nodes(network, 8, random.Random(7), cache_refresh_before_expiry=5)
+        now = nodes[0].time_fn()
+        assert await nodes[1].store("plain", "v1", now + 10)
+        assert await nodes[1].store("latest", "v1", now + 10)
+        ids = [DHTID.generate(serialize(k)) for k in ("plain", "latest")]
+        reader = next(n for n in nodes[2:] if all(n.storage.get(key_id) is None for key_id in ids))
+        reader.cache.clear()
+        assert (await reader.get("plain")).value == "v1"
+        assert (await reader.get("latest", latest=True)).value == "v1"
+        searched = _count_searches(reader)
+        # the owner renews both twice; only "plain" was read from the cache, once
+        assert await nodes[1].store("plain", "v2", now + 20)
+        assert await nodes[1].store("latest", "v2", now + 20)
+        await asyncio.sleep(9)  # within 5 s of the cached copies' expiry: one refresh
+        refreshed = reader.cache.get(ids[0])
+        assert await nodes[1].store("plain", "v3", now + 40)
+        await asyncio.sleep(10)  # within 5 s of the refreshed copy's expiry: no read since
+        await stop(nodes)
+        return searched, refreshed, now
+
+    searched, refreshed, now = run_simulation(main, latency=0.02)
+    assert refreshed is not None and refreshed.expiration_time == now + 20
+    assert searched == [False]  # the plain key's one refresh; nothing for the latest one
+
+
 def test_a_node_heard_again_within_a_second_keeps_its_rank():
     """Every request and answer reaches _add_node; re-ranking a node heard moments ago
     only costs CPU, so it happens at most once a second per node, and a node that was

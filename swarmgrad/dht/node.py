@@ -798,6 +798,9 @@ class DHTNode:
             self._pending_gets[pending_key] = future
         try:
             value = await self._search(key_bytes, key_id, latest)
+            if not latest and value is not None and self.cache_locally:
+                # kept fresh while it is read from the cache (see _refresh_hot_cache)
+                self._hot_cache_keys[key_id] = key_bytes
             future.set_result(value)
             return value
         except BaseException as e:
@@ -834,7 +837,6 @@ class DHTNode:
             return None
         if self.cache_locally:
             self._cache_record(key_id, merged)
-            self._hot_cache_keys[key_id] = key_bytes
         if self.cache_nearest and lookup.lacking:
             self._spawn(
                 self._cache_on_path(key_bytes, merged, lookup.lacking[: self.cache_nearest])
@@ -1009,7 +1011,13 @@ class DHTNode:
         )
 
     async def _refresh_hot_cache(self) -> None:
-        """Fetch again, shortly before they expire, cached keys that were read."""
+        """Fetch again, shortly before they expire, cached keys that were read.
+
+        Only reads that the cache can answer count (plain gets, as hivemind's
+        ``cache_refresh_before_expiry``): a latest-get asks the network every time anyway,
+        and a refresh is not a read. When both counted, a streaming DiLoCo peer refreshed
+        its progress key about once a second (as many searches as its own progress reads),
+        and a key read once was refreshed for as long as it existed."""
         now = self.time_fn()
         due = []
         for key_id, key_bytes in list(self._hot_cache_keys.items()):
