@@ -12,6 +12,7 @@ from swarmgrad.dht.node import DHTNode, serialize
 from swarmgrad.dht.routing import DHTID
 from swarmgrad.net.sim import run_simulation
 from swarmgrad.net.sim.backend import create_sim_peer
+from swarmgrad.utils.errors import ValidationError
 
 EPOCH = 1.8e9
 
@@ -251,9 +252,9 @@ def _count_searches(node) -> list:
     """Replace node._search by a wrapper that records, per search, whether it was latest."""
     searched, original = [], node._search
 
-    async def counting(key_bytes, key_id, latest):
+    async def counting(key_bytes, key_id, latest, *args):
         searched.append(latest)
-        return await original(key_bytes, key_id, latest)
+        return await original(key_bytes, key_id, latest, *args)
 
     node._search = counting
     return searched
@@ -326,3 +327,106 @@ def test_a_node_heard_again_within_a_second_keeps_its_rank():
     assert back
     if size > 1:
         assert held < size - 1 and moved == size - 1
+
+
+def _quorum_swarm(network, count=10):
+    """``count`` nodes, three writers each storing a subkey of "progress" (on every
+    replica), and the ids of the key's replicas."""
+
+    async def build():
+        nodes = await make_nodes(network, count, random.Random(11))
+        now = nodes[0].time_fn()
+        for index, writer in enumerate(nodes[1:4]):
+            assert await writer.store("progress", f"record {index}", now + 100, subkey=index)
+        key_id = DHTID.generate(serialize("progress"))
+        replicas = [n for n in nodes if n.storage.get(key_id) is not None]
+        return nodes, replicas
+
+    return build()
+
+
+def test_a_quorum_read_asks_that_many_replicas_and_sees_every_writer():
+    async def main(network):
+        nodes, replicas = await _quorum_swarm(network)
+        others = [n for n in nodes if n not in replicas]
+        counters = {n.peer_id: count_finds(n) for n in nodes}
+
+        async def served_for(reader, **kwargs):
+            before = sum(c["requests"] for c in counters.values())
+            found = await reader.get("progress", latest=True, **kwargs)
+            return sorted(found.value), sum(c["requests"] for c in counters.values()) - before
+
+        outcome = {
+            "replica, quorum 2": await served_for(replicas[0], quorum=2),
+            "replica, quorum 1": await served_for(replicas[1], quorum=1),
+            "other, quorum 2": await served_for(others[0], quorum=2),
+            "other, full read": await served_for(others[1]),
+        }
+        await stop(nodes)
+        return outcome, len(replicas)
+
+    outcome, num_replicas = run_simulation(main, latency=0.02)
+    assert num_replicas >= 5  # the 5 nearest and, when it is as near, the writer
+    for subkeys, _ in outcome.values():
+        assert subkeys == [0, 1, 2]
+    assert outcome["replica, quorum 2"][1] == 1  # its own copy and one other
+    assert outcome["replica, quorum 1"][1] == 0  # its own copy alone
+    assert outcome["other, quorum 2"][1] == 2
+    assert outcome["other, full read"][1] >= 5
+
+
+def test_a_quorum_read_replaces_a_dead_replica_and_reads_all_when_lost():
+    """A replica that does not answer is replaced by the next; a reader that does not know
+    the key's neighbourhood (an answer names a nearer node) reads it in full."""
+
+    async def main(network):
+        nodes, replicas = await _quorum_swarm(network)
+        key_id = DHTID.generate(serialize("progress"))
+        reader = next(n for n in nodes if n not in replicas)
+        reader._rng.shuffle = lambda items: None  # ask the nearest first
+        nearest = min(replicas, key=lambda n: n.node_id ^ key_id)
+        await stop([nearest])
+        with_dead = await reader.get("progress", latest=True, quorum=2)
+
+        lost = next(n for n in nodes if n not in replicas and n is not reader)
+        for replica in replicas[1:]:  # it knows one replica only, and the key is far
+            lost.routing._remove_node(replica.node_id)
+        searched = _count_searches(lost)
+        lookups = []
+        original = lost._lookup
+
+        async def counting_lookup(*args, **kwargs):
+            lookups.append(kwargs.get("find_value"))
+            return await original(*args, **kwargs)
+
+        lost._lookup = counting_lookup
+        when_lost = await lost.get("progress", latest=True, quorum=2)
+        await stop([n for n in nodes if n is not nearest])
+        return with_dead, when_lost, searched, lookups
+
+    with_dead, when_lost, searched, lookups = run_simulation(main, latency=0.02)
+    assert sorted(with_dead.value) == [0, 1, 2]
+    assert sorted(when_lost.value) == [0, 1, 2]
+    assert searched == [True] and lookups == [True]  # the quorum read gave way to a lookup
+
+
+def test_a_read_quorum_is_checked():
+    async def main(network):
+        nodes = await make_nodes(network, 2, random.Random(1))
+        errors = []
+        for kwargs in (
+            {"quorum": 0},
+            {"quorum": True},
+            {"quorum": 2.0},
+            {"quorum": 2, "latest": False},
+        ):
+            try:
+                await nodes[1].get("key", **{"latest": True, **kwargs})
+            except ValidationError as e:
+                errors.append(str(e))
+        await stop(nodes)
+        return errors
+
+    errors = run_simulation(main, latency=0.02)
+    assert len(errors) == 4
+    assert "latest-gets only" in errors[3] and "positive integer" in errors[0]

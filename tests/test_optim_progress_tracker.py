@@ -75,6 +75,29 @@ def test_tracker_refuses_bad_arguments():
             ProgressTracker(dht, RUN, target_batch_size=1, report_tolerance=-0.1, start=False)
         with pytest.raises(ValidationError, match="unknown ProgressTracker option 'tolerance'"):
             ProgressTracker(dht, RUN, target_batch_size=1, tolerance=0.1, start=False)
+        for bad in (0, 1.0, True):
+            with pytest.raises(ValidationError, match="read_quorum"):
+                ProgressTracker(dht, RUN, target_batch_size=1, read_quorum=bad, start=False)
+
+
+def test_progress_is_read_from_two_replicas_by_default(monkeypatch):
+    with dht_swarm(1) as (dht,):
+        quorums = []
+        original = dht.node.get
+
+        async def spying(key, latest=False, quorum=None):
+            quorums.append((latest, quorum))
+            return await original(key, latest=latest, quorum=quorum)
+
+        monkeypatch.setattr(dht.node, "get", spying)
+        for options, expected in (({}, (True, 2)), ({"read_quorum": None}, (True, None))):
+            tracker = ProgressTracker(dht, RUN, target_batch_size=100, **options, start=True)
+            try:
+                quorums.clear()
+                tracker.refresh(timeout=5)
+                assert quorums and set(quorums) == {expected}
+            finally:
+                tracker.shutdown(timeout=5)
 
 
 def test_a_failed_read_is_retried_after_the_default_refresh_period(monkeypatch):

@@ -178,12 +178,17 @@ class DHT:
     # ------------------------------------------------------------------ get / store
 
     def get(
-        self, key: Any, latest: bool = False, return_future: bool = False
+        self,
+        key: Any,
+        latest: bool = False,
+        return_future: bool = False,
+        quorum: int | None = None,
     ) -> ValueWithExpiration | concurrent.futures.Future | None:
-        """``ValueWithExpiration(value, expiration_time)`` or None (see DHTNode.get)."""
+        """``ValueWithExpiration(value, expiration_time)`` or None (see DHTNode.get, also
+        for ``quorum``)."""
         self._running()
         node = self.node
-        return self._result(node.get(key, latest=latest), return_future)
+        return self._result(node.get(key, latest=latest, quorum=quorum), return_future)
 
     def store(
         self,

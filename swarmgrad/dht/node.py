@@ -768,36 +768,54 @@ class DHTNode:
 
     # ------------------------------------------------------------------ get
 
-    async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration | None:
+    async def get(
+        self, key: Any, latest: bool = False, quorum: int | None = None
+    ) -> ValueWithExpiration | None:
         """The value under key: ``ValueWithExpiration(value, expiration_time)`` where a
         dictionary value is ``{subkey: ValueWithExpiration}``; None if absent or expired.
-        ``latest=True`` keeps searching the nearest nodes for the freshest record."""
-        return (await self.get_many([key], latest=latest))[key]
+        ``latest=True`` keeps searching the nearest nodes for the freshest record.
+
+        ``quorum`` (latest-gets only): merge what ``quorum`` replicas hold, this node
+        counting as one when it is a replica, instead of asking every one of them. The
+        replicas are picked at random among the ``num_replicas`` nearest known nodes; the
+        read falls back to a full one when fewer answer or when an answer names a nearer
+        node (this node does not know the key's neighbourhood). A record is then missed
+        only if its writer's stores failed on all of the replicas read: for soft state
+        that is written again (training progress), a read of 1 remote node instead of
+        ``num_replicas + 2``."""
+        return (await self.get_many([key], latest=latest, quorum=quorum))[key]
 
     async def get_many(
-        self, keys: Sequence[Any], latest: bool = False
+        self, keys: Sequence[Any], latest: bool = False, quorum: int | None = None
     ) -> dict[Any, ValueWithExpiration | None]:
+        if quorum is not None:
+            if not latest:
+                raise ValidationError("a read quorum applies to latest-gets only")
+            if isinstance(quorum, bool) or not isinstance(quorum, int) or quorum < 1:
+                raise ValidationError(f"quorum must be a positive integer, got {quorum!r}")
         serialized = {key: serialize(key) for key in keys}
         results = await asyncio.gather(
-            *(self._get_serialized(serialized[key], latest) for key in keys)
+            *(self._get_serialized(serialized[key], latest, quorum) for key in keys)
         )
         return dict(zip(keys, results, strict=True))
 
-    async def _get_serialized(self, key_bytes: bytes, latest: bool) -> ValueWithExpiration | None:
+    async def _get_serialized(
+        self, key_bytes: bytes, latest: bool, quorum: int | None = None
+    ) -> ValueWithExpiration | None:
         key_id = DHTID.generate(key_bytes)
         if not latest:
             local = self._local_record(key_id)
             if local is not None:
                 self._hot_cache_keys[key_id] = key_bytes
                 return self._to_user_value(key_bytes, [local])
-        pending_key = (key_id, latest)
+        pending_key = (key_id, latest, quorum)
         if self.reuse_get_requests and pending_key in self._pending_gets:
             return await asyncio.shield(self._pending_gets[pending_key])
         future = self._loop.create_future()
         if self.reuse_get_requests:
             self._pending_gets[pending_key] = future
         try:
-            value = await self._search(key_bytes, key_id, latest)
+            value = await self._search(key_bytes, key_id, latest, quorum)
             if not latest and value is not None and self.cache_locally:
                 # kept fresh while it is read from the cache (see _refresh_hot_cache)
                 self._hot_cache_keys[key_id] = key_bytes
@@ -810,7 +828,9 @@ class DHTNode:
         finally:
             self._pending_gets.pop(pending_key, None)
 
-    async def _search(self, key_bytes: bytes, key_id: DHTID, latest: bool):
+    async def _search(
+        self, key_bytes: bytes, key_id: DHTID, latest: bool, quorum: int | None = None
+    ):
         # Records live on the num_replicas nearest nodes; a latest-get reads two more
         # (margin for writers that saw a slightly different neighbourhood; a node that
         # fails to answer is replaced by the next one anyway). It will ask every one of
@@ -822,9 +842,13 @@ class DHTNode:
         known = None
         if latest and local is not None and local.dictionary:
             known = tuple((protocol.subkey_digest(s), e) for s, _, e in local.dictionary)
-        lookup = await self._lookup(
-            key_id, find_value=True, latest=latest, k=width, alpha=width, known_versions=known
-        )
+        lookup = None
+        if latest and quorum is not None:
+            lookup = await self._read_quorum(key_id, quorum, known)
+        if lookup is None:
+            lookup = await self._lookup(
+                key_id, find_value=True, latest=latest, k=width, alpha=width, known_versions=known
+            )
         records = [record for _, record in lookup.records]
         local = self._local_record(key_id)  # it may have changed during the lookup
         if local is not None:
@@ -842,6 +866,50 @@ class DHTNode:
                 self._cache_on_path(key_bytes, merged, lookup.lacking[: self.cache_nearest])
             )
         return self._to_user_value(key_bytes, [merged])
+
+    async def _read_quorum(
+        self, key_id: DHTID, quorum: int, known: tuple[tuple[bytes, float], ...] | None
+    ) -> LookupResult | None:
+        """What ``quorum`` replicas of key_id hold (see :meth:`get`), this node counting
+        as one if it is a replica (its record is merged in by the caller); None when a
+        full read is needed."""
+        replicas = self.routing.get_nearest_neighbors(key_id, self.num_replicas)
+        full = len(replicas) == self.num_replicas
+        farthest = replicas[-1][0] ^ key_id if full else None
+        we_are_replica = not self.client_mode and (
+            farthest is None or self.node_id ^ key_id <= farthest
+        )
+        needed = quorum - we_are_replica
+        result = LookupResult(nearest=[], hops=1)
+        candidates = [peer_id for _, peer_id in replicas]
+        self._rng.shuffle(candidates)  # readers spread over the replicas
+        # the answers name only nodes we do not know among the replicas
+        known_nodes = {protocol.node_prefix(node_id) for node_id, _ in replicas}
+        while len(result.nearest) < needed:
+            batch = candidates[: needed - len(result.nearest)]
+            del candidates[: len(batch)]
+            if not batch:
+                return None  # too few replicas answered
+            answers = await asyncio.gather(
+                *(
+                    self._find(peer_id, key_id, self.num_replicas, True, known, known_nodes)
+                    for peer_id in batch
+                )
+            )
+            for peer_id, answer in zip(batch, answers, strict=True):
+                if answer is None:
+                    continue
+                for found_peer, _ in answer.nearest:
+                    if found_peer != self.peer_id and (
+                        farthest is None or DHTID.for_peer(found_peer) ^ key_id < farthest
+                    ):
+                        return None  # a replica we did not know of: read the neighbourhood
+                result.nearest.append((DHTID.for_peer(peer_id), peer_id))
+                if answer.record is not None:
+                    result.records.append((peer_id, answer.record))
+                else:
+                    result.lacking.append(peer_id)
+        return result
 
     def _local_record(self, key_id: DHTID) -> FoundRecord | None:
         found = [
