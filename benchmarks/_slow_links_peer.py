@@ -59,7 +59,10 @@ def make_optimizer(args, dht, model):
         inner_optimizer=adamw,
         num_fragments=args.fragments if streaming else 1,
         fragment_pace=1.0,  # each round spread over the whole gap to the next fragment
-        grad_compression=Uniform8BitQuantization() if streaming else Blockwise4BitQuantization(),
+        # both zlib-coded on top (lossless; the links are far slower than zlib)
+        grad_compression=Uniform8BitQuantization(deflate=True)
+        if streaming
+        else Blockwise4BitQuantization(deflate=True),
         **common,
     )
 

@@ -22,7 +22,9 @@ same inner optimizer (AdamW, lr 3e-3):
   outer steps (Nesterov, lr 0.7), pseudo-gradients in 4 bits (``blockwise_4bit``, error
   feedback; OpenDiLoCo sent float16, INTELLECT-1 int8);
 * ``streaming``: the same with 4 fragments synced in turn and 8-bit pseudo-gradients
-  (error feedback);
+  (``uniform_8bit``, error feedback);
+
+both with ``deflate=True`` (the codes zlib-coded, losslessly);
 * ``powersgd``: ``sync`` with :class:`swarmgrad.PowerSGDGradientAverager`, rank 4.
 
 Reported per mode: ``bytes_per_1k_samples`` (bytes one peer sent, the mean over peers,

@@ -23,7 +23,7 @@ from swarmgrad.averaging.allreduce import (
 from swarmgrad.averaging.deadlines import AdaptiveTimeouts
 from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.partition import tensor_schema
-from swarmgrad.compression import CompressionType
+from swarmgrad.compression import CompressionType, Uniform8BitQuantization
 from swarmgrad.compression.base import tensor_bytes
 from swarmgrad.net.peer import Peer
 from swarmgrad.net.sim import run_simulation
@@ -170,6 +170,34 @@ def test_lossy_compression_still_leaves_every_member_with_the_same_bits(arun):
         for got, want, first in zip(ts, expected, tensors[0], strict=True):
             assert torch.allclose(got, want, atol=1e-2)
             assert torch.equal(got, first)
+
+
+def test_deflated_parts_average_to_the_same_bits_with_fewer_bytes(arun):
+    """Deflate is lossless and sender-side: a round whose members deflate ends with the
+    same values as one whose members do not, bit for bit, and moves fewer bytes."""
+
+    def peaked(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return [torch.randn(40_000, generator=generator) ** 3]
+
+    async def one_round(deflate_by):
+        peers = await make_peers(3)
+        tensors = [peaked(i) for i in range(3)]
+        codecs = [Uniform8BitQuantization(deflate=d) for d in deflate_by]
+        await run_round(
+            peers, tensors, part_size_bytes=8192, per_peer=[{"compression": c} for c in codecs]
+        )
+        sent = sum(p.bytes_sent for p in peers)
+        await shutdown(peers)
+        return tensors, sent
+
+    async def main():
+        return await one_round([False] * 3), await one_round([True, True, False])
+
+    (plain, plain_sent), (deflated, deflated_sent) = arun(main)
+    for got, want in zip(deflated, plain, strict=True):
+        assert torch.equal(got[0], want[0])
+    assert deflated_sent < 0.9 * plain_sent
 
 
 def test_averaging_alpha_moves_values_part_way(arun):

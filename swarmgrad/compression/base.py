@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from swarmgrad.compression.deflate import deflate_payload, inflate_payload
 from swarmgrad.compression.serialized import (
     LOSSY_DTYPES,
     Buffer,
@@ -213,6 +214,8 @@ class NoCompression(CompressionBase):
 
 
 NO_COMPRESSION = NoCompression()
+#: how fast a deflating codec's size estimate follows its payloads (weight of the newest)
+_DEFLATE_RATIO_WEIGHT = 0.5
 
 
 class LossyCompression(CompressionBase):
@@ -221,7 +224,29 @@ class LossyCompression(CompressionBase):
     They apply to float16/bfloat16/float32/float64 tensors with at least one element;
     every other tensor is sent exactly, with codec ``none``. Decoding restores the
     original dtype.
+
+    ``deflate=True`` (keyword, every lossy codec): zlib-code each payload, losslessly
+    (:mod:`swarmgrad.compression.deflate`): for slow links. Any codec decodes deflated
+    payloads. Its size estimates then follow what zlib achieved on recent payloads.
     """
+
+    deflate: bool = False
+    #: deflated / plain size of recent payloads (deflating codecs), for the estimates
+    _deflate_ratio: float = 1.0
+
+    def __init__(self, *, deflate: bool = False):
+        self._set_deflate(deflate)
+
+    def _set_deflate(self, deflate: bool) -> None:
+        if not isinstance(deflate, bool):
+            raise ValidationError(f"deflate must be a bool, got {deflate!r}")
+        self.deflate = deflate
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._repr_options()})"
+
+    def _repr_options(self, *options: str) -> str:
+        return ", ".join([*options, *(["deflate=True"] if self.deflate else [])])
 
     def compress(
         self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False
@@ -231,7 +256,7 @@ class LossyCompression(CompressionBase):
         if prepared.dtype not in LOSSY_DTYPES or prepared.numel() == 0:
             return NO_COMPRESSION.compress(tensor)
         params, buffer = self.encode(prepared)
-        return SerializedTensor(
+        serialized = SerializedTensor(
             codec=self.compression_type.value,
             dtype=dtype_name(prepared.dtype),
             shape=tuple(prepared.shape),
@@ -239,12 +264,19 @@ class LossyCompression(CompressionBase):
             params=params,
             buffer=buffer,
         )
+        if self.deflate:
+            deflated = deflate_payload(serialized)
+            ratio = deflated.nbytes / serialized.nbytes
+            self._deflate_ratio += _DEFLATE_RATIO_WEIGHT * (ratio - self._deflate_ratio)
+            serialized = deflated
+        return serialized
 
     def extract(self, serialized: SerializedTensor) -> torch.Tensor:
         if serialized.codec == CompressionType.NONE:
             return NO_COMPRESSION.extract(serialized)
         if serialized.codec != self.compression_type:
             raise CodecError(f"{type(self).__name__} cannot decode a {serialized.codec!r} payload")
+        serialized = inflate_payload(serialized)
         if serialized.numel == 0:
             result = torch.empty(serialized.shape, dtype=serialized.torch_dtype)
         else:
@@ -256,7 +288,8 @@ class LossyCompression(CompressionBase):
         numel = descriptor.numel()
         if descriptor.dtype not in LOSSY_DTYPES or numel == 0:
             return 1.0
-        return self.payload_nbytes(descriptor) / (numel * descriptor.dtype.itemsize)
+        plain = self.payload_nbytes(descriptor) / (numel * descriptor.dtype.itemsize)
+        return plain * self._deflate_ratio if self.deflate else plain
 
     @abstractmethod
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Buffer]:

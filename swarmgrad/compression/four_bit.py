@@ -64,7 +64,8 @@ class Blockwise4BitQuantization(LossyCompression):
 
     compression_type = CompressionType.BLOCKWISE_4BIT
 
-    def __init__(self, block_size: int = 64):
+    def __init__(self, block_size: int = 64, *, deflate: bool = False):
+        self._set_deflate(deflate)
         if isinstance(block_size, bool) or not isinstance(block_size, int):
             raise ValidationError(f"block_size must be an int, got {block_size!r}")
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
@@ -72,7 +73,7 @@ class Blockwise4BitQuantization(LossyCompression):
         self.block_size = block_size
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(block_size={self.block_size})"
+        return f"{type(self).__name__}({self._repr_options(f'block_size={self.block_size}')})"
 
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Buffer]:
         flat = tensor.view(-1)

@@ -355,13 +355,14 @@ class BlockwiseQuantization(LossyCompression):
 
     compression_type = CompressionType.BLOCKWISE_8BIT
 
-    def __init__(self, block_size: int = 4096):
+    def __init__(self, block_size: int = 4096, *, deflate: bool = False):
+        self._set_deflate(deflate)
         if not 1 <= block_size <= 1 << 24:
             raise ValidationError(f"block_size must be in [1, 2**24], got {block_size}")
         self.block_size = block_size
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(block_size={self.block_size})"
+        return f"{type(self).__name__}({self._repr_options(f'block_size={self.block_size}')})"
 
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Buffer]:
         flat = tensor.view(-1)

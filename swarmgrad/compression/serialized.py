@@ -21,6 +21,11 @@ codec               buffer                                                  para
                     ``ceil(n / 2)`` bytes of two 4-bit codes (low nibble
                     first)
 ==================  ======================================================  =================
+
+Any lossy codec's payload may travel *deflated* (params ``"deflated": true``): the
+buffer is then the zlib stream (RFC 1950) of the layout above, no longer than it; a
+receiver reads what the header announces and inflates to exactly the layout's size
+(:mod:`swarmgrad.compression.deflate`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ __all__ = [
     "MAX_NUMEL",
     "Buffer",
     "CompressionType",
+    "DEFLATED",
     "SERIALIZABLE_DTYPES",
     "SerializedTensor",
     "LOSSY_DTYPES",
@@ -49,6 +55,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "expected_payload_nbytes",
+    "is_deflated",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -174,6 +181,36 @@ def expected_payload_nbytes(
     return -(-numel // block) * 4 + numel
 
 
+#: the params key that marks a deflated payload
+DEFLATED = "deflated"
+
+
+def is_deflated(codec: str, params: Mapping[str, Any]) -> bool:
+    """Whether params mark the payload as deflated (CodecError if they do so wrongly)."""
+    flag = params.get(DEFLATED, False)
+    if flag is False:
+        return False
+    if flag is not True:
+        raise CodecError(
+            f"codec {codec!r}: param {DEFLATED!r} must be true or absent, got {flag!r}"
+        )
+    if codec == CompressionType.NONE:
+        raise CodecError(f"codec {codec!r} payloads are never deflated")
+    return True
+
+
+def _check_nbytes(
+    what: str, codec: str, params: Mapping[str, Any], expected: int, got: Any, verb: str = "got"
+) -> None:
+    """``got`` bytes fit ``expected``: equal, or, deflated, between 1 and ``expected``."""
+    deflated = is_deflated(codec, params)
+    if type(got) is int and (0 < got <= expected if deflated else got == expected):
+        return
+    if deflated:
+        raise CodecError(f"{what}, deflated, must have 1 to {expected} bytes, {verb} {got!r}")
+    raise CodecError(f"{what} must have {expected} bytes, {verb} {got!r}")
+
+
 def blockwise_4bit_nbytes(numel: int, block: int) -> int:
     """Payload size of ``blockwise_4bit``: float32 block scales, then two codes per byte."""
     return -(-numel // block) * 4 + (numel + 1) // 2
@@ -222,12 +259,8 @@ class SerializedTensor:
             raise CodecError(f"requires_grad=True is impossible for a {self.dtype} tensor")
         numel = math.prod(shape)
         expected = expected_payload_nbytes(self.codec, torch_dtype, numel, self.params)
-        arrived = _buffer_nbytes(self.buffer)
-        if arrived != expected:
-            raise CodecError(
-                f"{self.codec} payload for a {self.dtype} tensor of shape {list(shape)} must "
-                f"have {expected} bytes, got {arrived}"
-            )
+        what = f"{self.codec} payload for a {self.dtype} tensor of shape {list(shape)}"
+        _check_nbytes(what, self.codec, self.params, expected, _buffer_nbytes(self.buffer))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -304,12 +337,9 @@ def check_header(header: Mapping[str, Any]) -> int:
         raise CodecError(f"codec params must be a mapping, got {type(params).__name__}")
     expected = expected_payload_nbytes(codec, dtype, math.prod(shape), params)
     announced = header["nbytes"]
-    if type(announced) is not int or announced != expected:
-        raise CodecError(
-            f"{codec} payload for a {header['dtype']} tensor of shape {list(shape)} must have "
-            f"{expected} bytes, header announces {announced!r}"
-        )
-    return expected
+    what = f"{codec} payload for a {header['dtype']} tensor of shape {list(shape)}"
+    _check_nbytes(what, codec, params, expected, announced, verb="header announces")
+    return announced
 
 
 def _validate_shape(shape: Any) -> tuple[int, ...]:
