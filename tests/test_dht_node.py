@@ -430,3 +430,52 @@ def test_a_read_quorum_is_checked():
     errors = run_simulation(main, latency=0.02)
     assert len(errors) == 4
     assert "latest-gets only" in errors[3] and "positive integer" in errors[0]
+
+
+def test_a_store_in_a_known_neighbourhood_asks_one_node_and_lands_on_the_replicas():
+    """A store checks its routing table's nearest nodes with one probe instead of a
+    lookup of num_replicas + 2, and stores on the same nodes a lookup would have found."""
+
+    async def main(network):
+        nodes = await make_nodes(network, 12, random.Random(5))
+        writer = nodes[3]
+        key_id = DHTID.generate(serialize("probed"))
+        counters = [count_finds(n) for n in nodes]
+        assert await writer.store("probed", "v", writer.time_fn() + 100)
+        asked = sum(c["requests"] for c in counters)
+        holders = {n.peer_id for n in nodes if n.storage.get(key_id) is not None}
+        lookup = await writer._lookup(key_id, find_value=False, k=7, alpha=7)
+        await stop(nodes)
+        return asked, holders, {p for _, p in lookup.nearest[:5]}, writer.peer_id
+
+    asked, holders, nearest, writer = run_simulation(main, latency=0.02)
+    assert asked == 1
+    assert nearest <= holders <= nearest | {writer}
+
+
+def test_a_store_looks_up_the_neighbourhood_when_a_probe_or_a_replica_fails():
+    async def main(network):
+        nodes = await make_nodes(network, 12, random.Random(5))
+        key_id = DHTID.generate(serialize("probed"))
+        by_distance = sorted(nodes, key=lambda n: n.node_id ^ key_id)
+        writer = by_distance[-1]  # the farthest: never a replica itself
+        # a writer that knows only far nodes: its probe names nearer ones
+        lost = by_distance[-2]
+        for node in by_distance[:6]:
+            lost.routing._remove_node(node.node_id)
+        assert await lost.store("probed", "from lost", lost.time_fn() + 100)
+        lost_holders = [n for n in by_distance[:5] if n.storage.get(key_id) is not None]
+        # a replica that died, still in the writer's routing table: it is replaced
+        key2 = DHTID.generate(serialize("probed2"))
+        others = sorted((n for n in nodes if n is not writer), key=lambda n: n.node_id ^ key2)
+        dead = others[0]
+        await stop([dead])
+        writer._rng.choice = lambda seq: seq[-1]  # probe a live node
+        assert await writer.store("probed2", "x", writer.time_fn() + 100)
+        holders2 = [n for n in others[1:6] if n.storage.get(key2) is not None]
+        await stop([n for n in nodes if n is not dead])
+        return len(lost_holders), len(holders2)
+
+    lost_holders, holders2 = run_simulation(main, latency=0.02)
+    assert lost_holders == 5  # the true replicas, which it did not know
+    assert holders2 == 5  # the 5 nearest live nodes: the dead one's place taken
