@@ -81,11 +81,18 @@ def count_bytes_per_protocol() -> None:
     writes: collections.Counter = collections.Counter()
     original = mux.Stream.write
 
+    timeline: list = []
+
     async def counting_write(self, data, *, fin=False):
         name = re.search(rb"[a-z_]+\.[a-z_]+", bytes(self.header[:80]))
         sent[name.group().decode() if name else "other"] += len(data)
         writes[name.group().decode() if name else "other"] += 1
+        timeline.append(
+            (round(time.time(), 3), name.group().decode() if name else "other", len(data))
+        )
         return await original(self, data, fin=fin)
+
+    atexit.register(lambda: print("timeline", json.dumps(timeline), file=sys.stderr))
 
     mux.Stream.write = counting_write
 

@@ -171,7 +171,9 @@ def run_mode(
         after = net.sent()
         if log_dir:  # the bytes each peer had sent, every 0.1 s: where the peaks are
             (log_dir / f"{mode}{'_kill' if kill_at else ''}_tx.json").write_text(
-                json.dumps([(round(t - began, 2), sent) for t, sent in samples_log])
+                json.dumps(
+                    {"began": began, "tx": [(round(t - began, 2), s) for t, s in samples_log]}
+                )
             )
         records = [p.epochs() for p in peers]
         total_samples = sum(max(r.values(), key=lambda e: e["epoch"])["samples"] for r in records)

@@ -342,18 +342,19 @@ def test_a_fragment_round_waits_for_late_estimates_and_begins_with_every_peer(nu
 
 def test_a_fragment_round_is_paced_over_its_gap_and_never_past_a_quarter_of_the_timeout():
     """A streaming fragment's writes are spread over ``fragment_pace`` of the gap to the
-    next fragment (its bytes: its parts out and its span back, 2 (N-1)/N of the payload);
-    an epoch thought far longer than it is must not stretch the round past a quarter of
-    ``averaging_timeout``; plain DiLoCo and ``fragment_pace=None`` go at full speed."""
+    next fragment (the mean fragment's bytes: its parts out and its span back, 2 (N-1)/N
+    of the payload; one rate for fragments of different sizes); an epoch thought far
+    longer than it is must not stretch the round past a quarter of ``averaging_timeout``;
+    plain DiLoCo and ``fragment_pace=None`` go at full speed."""
     from swarmgrad.utils.timeutils import get_dht_time
 
     with dht_swarm(1) as dhts:
-        model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+        model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 32))
         opt = make_diloco(dhts[0], model, num_inner_steps=8, num_fragments=2,
                           fragment_pace=0.5, averaging_timeout=40.0)  # fmt: skip
         try:
-            fragment = opt.fragments[0]
-            payload = sum(opt._masters[i].numel() * 4 for i in fragment.params)  # float32
+            fragment, smaller = opt.fragments
+            payload = sum(m.numel() * 4 for m in opt._masters) / 2  # float32, mean fragment
             sent = 2 * (4 - 1) / 4 * payload
             with opt.tracker.pause_updates():
                 progress = opt.tracker.global_progress
@@ -361,6 +362,7 @@ def test_a_fragment_round_is_paced_over_its_gap_and_never_past_a_quarter_of_the_
                 opt._epoch_began = get_dht_time()
                 progress.eta_next_epoch = opt._epoch_began + 8.0  # gap 4 s, paced over 2 s
                 assert opt._fragment_send_rate(fragment) == pytest.approx(sent / 2.0, rel=0.01)
+                assert opt._fragment_send_rate(smaller) == opt._fragment_send_rate(fragment)
                 progress.eta_next_epoch = opt._epoch_began + 8000.0
                 assert opt._fragment_send_rate(fragment) == pytest.approx(sent / 10.0, rel=0.01)
                 opt.fragment_pace = None

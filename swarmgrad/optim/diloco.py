@@ -534,10 +534,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         fragment.running = control
 
     def _fragment_send_rate(self, fragment: _Fragment) -> float | None:
-        """Streaming: the rate that spreads this fragment's round over ``fragment_pace``
-        of the time until the next fragment is due (None: full speed). Its result is not
+        """Streaming: the rate that spreads a fragment's round over ``fragment_pace`` of
+        the time until the next fragment is due (None: full speed). Its result is not
         needed before then, and a burst at full speed would make the link's peak as high
-        as DiLoCo's for a quarter of the bytes."""
+        as DiLoCo's for a quarter of the bytes.
+
+        One rate for every fragment, from the model's mean fragment: tensors cannot be
+        cut, so fragments differ (the slow-links model's four hold 32.9k, 37.5k, 33.3k and
+        16.8k parameters), and a rate per fragment made the largest one's rate the
+        link's peak (19 kB/s against 9 for the smallest). The pacer is shared, so a larger
+        round runs into the next one's window and a smaller one makes the time up; the
+        last round ends when it did."""
         if self.fragment_pace is None or len(self.fragments) == 1:
             return None
         num_peers = self.tracker.global_progress.num_peers
@@ -552,11 +559,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if num_peers <= 1 or not 0 < epoch_length < math.inf:
             return None
         payload = 0.0
-        for index in fragment.params:
-            master = self._masters[index]
+        for index, master in enumerate(self._masters):
             info = CompressionInfo.from_tensor(master, key=index)
             ratio = self.grad_compression.estimate_compression_ratio(info)
             payload += master.numel() * master.element_size() * ratio
+        payload /= len(self.fragments)
         sent = 2 * (num_peers - 1) / num_peers * payload  # its parts out, its span back
         window = self.fragment_pace * epoch_length / len(self.fragments)
         timeout = self.averaging_timeout if self.averaging_timeout else 60.0
