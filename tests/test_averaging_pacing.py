@@ -29,6 +29,9 @@ def test_writes_are_spread_at_the_rate_in_small_chunks():
     elapsed, stream = asyncio.run(main())
     assert sum(n for _, n in stream.writes) == 100_000
     assert max(n for _, n in stream.writes) <= 200_000 // 20
+    # chunks fill whole 1448-byte TCP segments with their 30 bytes of framing
+    assert all((n + 30) % 1448 == 0 for _, n in stream.writes[:-1])
+    assert SendPacer(15_000).chunk == 2 * 1448 - 30  # slow rates: two segments
     # the last chunk may go at once when its turn comes: (100 kB - one chunk) / rate
     assert elapsed >= (100_000 - 10_000) / 200_000 * 0.95, elapsed
     assert elapsed < 2.0, elapsed
