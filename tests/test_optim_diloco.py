@@ -560,3 +560,13 @@ def test_a_round_under_another_step_number_never_mixes_into_ours():
         finally:
             for opt in opts:
                 opt.shutdown()
+
+
+def test_progress_is_read_from_two_replicas_unless_tracker_opts_say_otherwise():
+    with dht_swarm(1) as dhts:
+        for options, expected in (({}, 2), ({"tracker_opts": {"read_quorum": None}}, None)):
+            opt = make_diloco(dhts[0], make_model(seed=0), **options)
+            try:
+                assert opt.tracker.read_quorum == expected
+            finally:
+                opt.shutdown()

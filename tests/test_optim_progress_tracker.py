@@ -80,7 +80,7 @@ def test_tracker_refuses_bad_arguments():
                 ProgressTracker(dht, RUN, target_batch_size=1, read_quorum=bad, start=False)
 
 
-def test_progress_is_read_from_two_replicas_by_default(monkeypatch):
+def test_progress_is_read_from_every_replica_or_from_a_quorum(monkeypatch):
     with dht_swarm(1) as (dht,):
         quorums = []
         original = dht.node.get
@@ -90,7 +90,7 @@ def test_progress_is_read_from_two_replicas_by_default(monkeypatch):
             return await original(key, latest=latest, quorum=quorum)
 
         monkeypatch.setattr(dht.node, "get", spying)
-        for options, expected in (({}, (True, 2)), ({"read_quorum": None}, (True, None))):
+        for options, expected in (({}, (True, None)), ({"read_quorum": 2}, (True, 2))):
             tracker = ProgressTracker(dht, RUN, target_batch_size=100, **options, start=True)
             try:
                 quorums.clear()
