@@ -890,7 +890,7 @@ class DHTNode:
         """What ``quorum`` replicas of key_id hold (see :meth:`get`), this node counting
         as one if it is a replica (its record is merged in by the caller); None when a
         full read is needed."""
-        replicas = self.routing.get_nearest_neighbors(key_id, self.num_replicas)
+        replicas, known_nodes = self._known_replicas(key_id)
         farthest = replicas[-1][0] ^ key_id if len(replicas) == self.num_replicas else None
         we_are_replica = not self.client_mode and (
             farthest is None or self.node_id ^ key_id <= farthest
@@ -899,8 +899,6 @@ class DHTNode:
         result = LookupResult(nearest=[], hops=1)
         candidates = [peer_id for _, peer_id in replicas]
         self._rng.shuffle(candidates)  # readers spread over the replicas
-        # the answers name only nodes we do not know among the replicas
-        known_nodes = {protocol.node_prefix(node_id) for node_id, _ in replicas}
         while len(result.nearest) < needed:
             batch = candidates[: needed - len(result.nearest)]
             del candidates[: len(batch)]
@@ -923,6 +921,12 @@ class DHTNode:
                 else:
                     result.lacking.append(peer_id)
         return result
+
+    def _known_replicas(self, key_id: DHTID) -> tuple[list[tuple[DHTID, PeerID]], set[bytes]]:
+        """The routing table's num_replicas nearest nodes to key_id, and the prefixes that
+        ask a find answer to leave them out (so that it names only nodes we lack)."""
+        replicas = self.routing.get_nearest_neighbors(key_id, self.num_replicas)
+        return replicas, {protocol.node_prefix(node_id) for node_id, _ in replicas}
 
     def _names_a_replica_we_lack(
         self, answer: FindAnswer, key_id: DHTID, replicas: list[tuple[DHTID, PeerID]]
@@ -948,11 +952,10 @@ class DHTNode:
         confirms the routing table: a streaming DiLoCo peer's 36 stores a minute made
         144 of its requests. Asking one of them checks the same thing: a node that knew
         a nearer one would name it."""
-        replicas = self.routing.get_nearest_neighbors(key_id, self.num_replicas)
+        replicas, known_nodes = self._known_replicas(key_id)
         if not replicas:
             return None
         probe = self._rng.choice(replicas)[1]
-        known_nodes = {protocol.node_prefix(node_id) for node_id, _ in replicas}
         answer = await self._find(probe, key_id, self.num_replicas, False, None, known_nodes)
         if answer is None or self._names_a_replica_we_lack(answer, key_id, replicas):
             return None
