@@ -353,20 +353,19 @@ def test_a_fragment_round_is_paced_over_its_gap_and_never_past_a_quarter_of_the_
         opt = make_diloco(dhts[0], model, num_inner_steps=8, num_fragments=2,
                           fragment_pace=0.5, averaging_timeout=40.0)  # fmt: skip
         try:
-            fragment, smaller = opt.fragments
-            payload = sum(m.numel() * 4 for m in opt._masters) / 2  # float32, mean fragment
+            # the fragments differ (16.5k and 4.1k values): the rate is the mean one's
+            payload = sum(m.numel() * 4 for m in opt._masters) / 2  # float32
             sent = 2 * (4 - 1) / 4 * payload
             with opt.tracker.pause_updates():
                 progress = opt.tracker.global_progress
                 progress.num_peers = 4
                 opt._epoch_began = get_dht_time()
                 progress.eta_next_epoch = opt._epoch_began + 8.0  # gap 4 s, paced over 2 s
-                assert opt._fragment_send_rate(fragment) == pytest.approx(sent / 2.0, rel=0.01)
-                assert opt._fragment_send_rate(smaller) == opt._fragment_send_rate(fragment)
+                assert opt._fragment_send_rate() == pytest.approx(sent / 2.0, rel=0.01)
                 progress.eta_next_epoch = opt._epoch_began + 8000.0
-                assert opt._fragment_send_rate(fragment) == pytest.approx(sent / 10.0, rel=0.01)
+                assert opt._fragment_send_rate() == pytest.approx(sent / 10.0, rel=0.01)
                 opt.fragment_pace = None
-                assert opt._fragment_send_rate(fragment) is None
+                assert opt._fragment_send_rate() is None
         finally:
             opt.shutdown()
 

@@ -523,7 +523,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 expected_group_size=self._expected_group_size(),
             )
         control.weight = weight
-        rate = self._fragment_send_rate(fragment)
+        rate = self._fragment_send_rate()
         if rate is not None:  # one pacer for all fragments: rounds that overlap share it
             if self._pacer is None:
                 self._pacer = SendPacer(rate)
@@ -540,7 +540,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         control.allow_allreduce()
         fragment.running = control
 
-    def _fragment_send_rate(self, fragment: _Fragment) -> float | None:
+    def _fragment_send_rate(self) -> float | None:
         """Streaming: the rate that spreads a fragment's round over ``fragment_pace`` of
         the time until the next fragment is due (None: full speed). Its result is not
         needed before then, and a burst at full speed would make the link's peak as high
