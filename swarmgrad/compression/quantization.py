@@ -61,13 +61,15 @@ def sorted_finite_sample(flat: torch.Tensor, size: int | None = None) -> np.ndar
     return sample.astype(np.float64)
 
 
-def _finite_range(flat: torch.Tensor, sample: np.ndarray) -> tuple[float, float]:
+def _finite_range(flat: torch.Tensor, sample: np.ndarray) -> tuple[float, float, bool]:
+    """The tensor's [min, max], and True; or, when it holds NaN or Inf (which its min and
+    max then show), the sample's finite range and False."""
     low, high = (float(value) for value in torch.aminmax(flat))
     if math.isfinite(low) and math.isfinite(high):
-        return low, high
+        return low, high, True
     if sample.size == 0:
-        return 0.0, 0.0
-    return float(sample[0]), float(sample[-1])
+        return 0.0, 0.0, False
+    return float(sample[0]), float(sample[-1]), False
 
 
 # ---------------------------------------------------------------------------------------
@@ -76,6 +78,9 @@ def _finite_range(flat: torch.Tensor, sample: np.ndarray) -> tuple[float, float]
 
 #: Clipping candidates, as the fraction of sample elements clipped on each side.
 _CLIP_FRACTIONS = (2e-5, 1e-4, 3e-4, 1e-3)
+#: Of the sample's middle (clipped by no candidate), every this-many-th value estimates
+#: the rounding error.
+_INTERIOR_STRIDE = 8
 
 
 def _choose_uniform_range(
@@ -114,14 +119,29 @@ def _choose_uniform_range(
         work -= values[None, :]
         return np.einsum("ij,ij->i", work, work)
 
-    errors = squared_errors(sample)
-    if numel > size:  # the sample stands for numel - 2 elements, plus the exact extremes
-        errors = errors * ((numel - 2) / size) + squared_errors(np.array([low, high]))
+    if numel <= size:  # the sample is the whole tensor: exact errors
+        return candidates[int(np.argmin(squared_errors(sample)))]
+    # Every candidate clips only the sample's tails (up to the largest clipping rank), so
+    # the tails are quantized whole and the middle, which no candidate clips and where
+    # only rounding differs, by every _INTERIOR_STRIDE-th value (sorted: an even spread).
+    # Same estimate, a few times cheaper: on the parts of an all-reduce, cut from 8
+    # peers' tensors on 2 cores, this search was most of the encoding time.
+    tail = int(max(_CLIP_FRACTIONS) * size) + 1
+    errors = squared_errors(sample[:tail]) + squared_errors(sample[size - tail :])
+    middle = sample[tail : size - tail : _INTERIOR_STRIDE]
+    errors += squared_errors(middle) * ((size - 2 * tail) / max(1, middle.size))
+    # the sample stands for numel - 2 elements, plus the exact extremes
+    errors = errors * ((numel - 2) / size) + squared_errors(np.array([low, high]))
     return candidates[int(np.argmin(errors))]
 
 
 def _clipping_pays_off(
-    flat: torch.Tensor, low: float, high: float, full_low: float, full_high: float
+    flat: torch.Tensor,
+    low: float,
+    high: float,
+    full_low: float,
+    full_high: float,
+    all_finite: bool,
 ) -> bool:
     """Whether quantizing ``flat`` within [low, high] beats [full_low, full_high] over the
     whole tensor: the exact clipping error (one chunked pass) plus the rounding error of
@@ -131,7 +151,9 @@ def _clipping_pays_off(
     for start, stop, values in float32_inputs(flat):
         excess = scratch[: stop - start]
         torch.clamp(values, low, high, out=excess)
-        excess.sub_(values).nan_to_num_(0.0, 0.0, 0.0)
+        excess.sub_(values)
+        if not all_finite:
+            excess.nan_to_num_(0.0, 0.0, 0.0)
         clipping += float(torch.dot(excess, excess))
     rounding = flat.numel() / 12 / 255**2
     return clipping + rounding * (high - low) ** 2 < rounding * (full_high - full_low) ** 2
@@ -155,10 +177,11 @@ class Uniform8BitQuantization(LossyCompression):
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Buffer]:
         flat = tensor.view(-1)
         sample = sorted_finite_sample(flat)
-        full_range = _finite_range(flat, sample)
+        *full_range, all_finite = _finite_range(flat, sample)
+        full_range = tuple(full_range)
         low, high = _choose_uniform_range(sample, *full_range, flat.numel())
         if flat.numel() > sample.size and (low, high) != full_range:
-            if not _clipping_pays_off(flat, low, high, *full_range):
+            if not _clipping_pays_off(flat, low, high, *full_range, all_finite):
                 low, high = full_range
         step = (high - low) / 255
         codes = torch.zeros(flat.numel(), dtype=torch.uint8)
@@ -168,7 +191,9 @@ class Uniform8BitQuantization(LossyCompression):
             for start, stop, values in float32_inputs(flat):
                 scaled = scratch[: stop - start]
                 torch.sub(values, origin, out=scaled)
-                scaled.mul_(inverse).clamp_(0.0, 255.0).nan_to_num_(0.0)
+                scaled.mul_(inverse).clamp_(0.0, 255.0)
+                if not all_finite:  # NaN survives the clamp; its code would be undefined
+                    scaled.nan_to_num_(0.0)
                 codes[start:stop].copy_(scaled)  # float -> uint8 truncates: rounds to nearest
         else:
             step = 0.0  # (nearly) constant tensor: every element decodes to low
@@ -304,7 +329,7 @@ class Quantile8BitQuantization(LossyCompression):
         if flat.numel() > sample.size:
             # the exact extremes stretch the codebook over the whole range: in heavy tails
             # they and their neighbours, rarely sampled, dominate the error
-            low, high = _finite_range(flat, sample)
+            low, high, _ = _finite_range(flat, sample)
             sample = np.concatenate([[low], sample, [high]])
         codebook = fit_codebook(sample)
         payload = torch.empty(QUANTILE_CODEBOOK_SIZE * 4 + flat.numel(), dtype=torch.uint8)
