@@ -104,8 +104,8 @@ def random_sample_indices(numel: int, size: int) -> np.ndarray:
     """Indices of a fixed-seed random sample (with replacement) of ``size`` out of
     ``numel`` elements, or of all of them when there are at most ``size`` (read-only).
 
-    Cached: a round encodes the same part sizes over and over (an all-reduce of 16M
-    values in 8 parts of 2 MB per span draws the same 64k indices 32 times per peer),
+    Cached: a round encodes the same part sizes over and over (8 peers averaging 16M
+    values: each encodes 32 parts of 2 MB per round, each drawing the same 64k indices),
     and the seed is fixed, so the draw is the same each time."""
     if numel <= size:
         indices = np.arange(numel)

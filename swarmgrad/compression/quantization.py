@@ -177,8 +177,8 @@ class Uniform8BitQuantization(LossyCompression):
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Buffer]:
         flat = tensor.view(-1)
         sample = sorted_finite_sample(flat)
-        *full_range, all_finite = _finite_range(flat, sample)
-        full_range = tuple(full_range)
+        full_low, full_high, all_finite = _finite_range(flat, sample)
+        full_range = (full_low, full_high)
         low, high = _choose_uniform_range(sample, *full_range, flat.numel())
         if flat.numel() > sample.size and (low, high) != full_range:
             if not _clipping_pays_off(flat, low, high, *full_range, all_finite):
