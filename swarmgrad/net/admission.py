@@ -42,10 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from swarmgrad.net.identity import Identity, PeerID
+from swarmgrad.net.identity import Identity, PeerID, verify_signature
 from swarmgrad.utils.errors import AdmissionRefused, TokenError, ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
@@ -507,7 +505,7 @@ class Admission:
         time_fn: Callable[[], float] = get_dht_time,
     ):
         self.authority = load_authority_key(authority_key)
-        self._authority_key = Ed25519PublicKey.from_public_bytes(self.authority.public_key_bytes())
+        self._authority_key = self.authority.public_key_bytes()
         self.renew_before = float(renew_before)
         self.check_interval = float(check_interval)
         self.revocation_refresh = float(revocation_refresh)
@@ -685,14 +683,12 @@ class Admission:
                 f"this swarm trusts {self.authority}",
                 reason=RefusalReason.WRONG_AUTHORITY.value,
             )
-        try:
-            self._authority_key.verify(token.signature, token.signed_message)
-        except InvalidSignature:
+        if not verify_signature(self._authority_key, token.signature, token.signed_message):
             raise AdmissionRefused(
                 f"the access token of {peer_id} carries a forged signature (not made by "
                 f"authority {self.authority})",
                 reason=RefusalReason.BAD_SIGNATURE.value,
-            ) from None
+            )
         return token
 
     def problem_with(self, token: AccessToken) -> tuple[RefusalReason, str] | None:
@@ -758,12 +754,9 @@ class Admission:
                 f"revocation list {revocations.serial} was issued by {revocations.issuer}, "
                 f"not by this swarm's authority {self.authority}"
             )
-        try:
-            self._authority_key.verify(revocations.signature, revocations.signed_message)
-        except InvalidSignature:
-            raise TokenError(
-                f"revocation list {revocations.serial} carries a forged signature"
-            ) from None
+        signed = revocations.signed_message
+        if not verify_signature(self._authority_key, revocations.signature, signed):
+            raise TokenError(f"revocation list {revocations.serial} carries a forged signature")
 
 
 def _coerce_token(value: Any) -> AccessToken | None:

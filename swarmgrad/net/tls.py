@@ -31,13 +31,13 @@ import threading
 from collections import OrderedDict
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed448, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.x509.oid import NameOID, ObjectIdentifier, SignatureAlgorithmOID
 
-from swarmgrad.net.identity import Identity, PeerID
+from swarmgrad.net.identity import Identity, PeerID, verify_signature
 from swarmgrad.utils.errors import HandshakeError
 
 __all__ = [
@@ -234,12 +234,11 @@ def certificate_identity(der: bytes | None) -> tuple[PeerID, bytes | None]:
         raise HandshakeError("the peer's TLS certificate is not signed with Ed25519")
     if certificate.issuer != certificate.subject:
         raise HandshakeError("the peer's TLS certificate is not self-signed")
-    try:
-        public_key.verify(certificate.signature, certificate.tbs_certificate_bytes)
-    except InvalidSignature:
+    key_bytes = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    if not verify_signature(key_bytes, certificate.signature, certificate.tbs_certificate_bytes):
         raise HandshakeError(
             "the peer's TLS certificate is not signed by its own key (bad self-signature)"
-        ) from None
+        )
     try:
         extension = certificate.extensions.get_extension_for_oid(ADMISSION_TOKEN_OID)
         token = bytes(extension.value.value)
@@ -247,7 +246,7 @@ def certificate_identity(der: bytes | None) -> tuple[PeerID, bytes | None]:
         token = None
     except ValueError as e:  # duplicate or unparsable extensions
         raise HandshakeError(f"the peer's TLS certificate has malformed extensions: {e}") from None
-    return PeerID.from_public_key(public_key), token
+    return PeerID.from_public_key(key_bytes), token
 
 
 def peer_id_from_ssl_object(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> PeerID:
