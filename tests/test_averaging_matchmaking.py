@@ -5,14 +5,25 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import zlib
 from collections import Counter
 
+import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from swarmgrad.averaging.matchmaking import JOIN_GROUP, Matchmaking, Rejection
+from swarmgrad.averaging.matchmaking import (
+    JOIN_GROUP,
+    Matchmaking,
+    Rejection,
+    _pack_gathered,
+    _parse_group,
+)
 from swarmgrad.averaging.moshpit_sim import build_dht_swarm
+from swarmgrad.net.identity import Identity
 from swarmgrad.net.sim import run_simulation
-from swarmgrad.utils.errors import SwarmgradError, ValidationError
+from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
 
 
 async def make_swarm(network, num_peers, *, seed=0, bits=None, client=(), **kwargs):
@@ -432,3 +443,177 @@ def test_a_group_with_every_expected_peer_begins_without_waiting_out_its_window(
         assert elapsed < 3.0, elapsed
     else:
         assert elapsed >= 9.0, elapsed
+
+
+def _count_dht_calls(matchmakers):
+    """Wrap each key manager's declare and get_declarations with a counter."""
+    calls = Counter()
+    for m in matchmakers:
+        manager = m.key_manager
+        for name in ("declare", "get_declarations"):
+            original = getattr(manager, name)
+
+            def counting(*args, _original=original, _key=(m.peer.peer_id, name), **kwargs):
+                calls[_key] += 1
+                return _original(*args, **kwargs)
+
+            setattr(manager, name, counting)
+    return calls
+
+
+def test_followers_of_a_known_leader_join_it_without_the_dht_and_wait_for_it():
+    """Streaming DiLoCo's later fragments meet the peers of the step's first group: with
+    the leader as hint, followers that start looking 2 s before it wait at it (held, not
+    polling) and touch the DHT not at all; the leader declares once and reads nothing."""
+
+    async def main(network):
+        nodes, mms = await make_swarm(
+            network, 4, seed=21, target_group_size=16, min_matchmaking_time=4.0
+        )
+        first = await asyncio.gather(
+            *(m.look_for_group(data_for_gather=b"x", timeout=30, expected_size=4) for m in mms)
+        )
+        assert all(r is not None and r.group_size == 4 for r in first)
+        (leader,) = {m.last_group[1] for m in mms}
+        assert {m.last_group[0] for m in mms} == {""}
+        calls = _count_dht_calls(mms)
+        joins = Counter()
+        for m in mms:
+            original = m._serve_join
+
+            async def counting(request, context, m=m, original=original):
+                joins[m.peer.peer_id] += 1
+                async for message in original(request, context):
+                    yield message
+
+            m._serve_join = counting
+        leader_mm = next(m for m in mms if m.peer.peer_id == leader)
+        followers = [m for m in mms if m is not leader_mm]
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        hinted_search = dict(
+            data_for_gather=b"y", timeout=30, round_tag="f1", expected_size=4, leader_hint=leader
+        )
+
+        async def leader_later():
+            await asyncio.sleep(2.0)
+            return await leader_mm.look_for_group(**hinted_search)
+
+        results = await asyncio.gather(
+            leader_later(),
+            *(m.look_for_group(**hinted_search) for m in followers),
+        )
+        elapsed = loop.time() - began
+        await stop(nodes, mms)
+        return results, leader, followers, calls, joins, elapsed, mms
+
+    results, leader, followers, calls, joins, elapsed, mms = run_simulation(
+        main, seed=21, latency=0.02
+    )
+    assert all(r is not None and r.group_size == 4 for r in results)
+    assert len({r.group_id for r in results}) == 1
+    assert {m.last_group for m in mms} == {("f1", leader)}
+    assert 2.0 <= elapsed < 3.0, elapsed  # began once the leader looked and all had joined
+    for m in followers:
+        assert calls[(m.peer.peer_id, "declare")] == 0
+        assert calls[(m.peer.peer_id, "get_declarations")] == 0
+    assert calls[(leader, "declare")] == 1 and calls[(leader, "get_declarations")] == 0
+    assert joins == {leader: 3}  # one request per follower: held, not repeated
+
+
+@pytest.mark.parametrize("trouble", ["dead leader", "other key"])
+def test_followers_fall_back_to_the_dht_when_the_known_leader_fails_them(trouble):
+    """The hinted leader is gone, or looks under another key (a round of another step):
+    the followers notice (the connection fails, or a rejection) and form their group
+    through the DHT as usual."""
+
+    async def main(network):
+        nodes, mms = await make_swarm(
+            network, 4, seed=22, target_group_size=16, min_matchmaking_time=3.0
+        )
+        hinted = mms[0]
+        others = mms[1:]
+        if trouble == "dead leader":
+            await hinted.shutdown()
+            await nodes[0].shutdown()
+            await nodes[0].peer.shutdown()
+            tasks = []
+        else:
+            tasks = [asyncio.create_task(hinted.look_for_group(timeout=6, round_tag="other"))]
+        hinted_search = dict(
+            data_for_gather=b"z", timeout=20, round_tag="f2", expected_size=3,
+            leader_hint=hinted.peer.peer_id,
+        )  # fmt: skip
+        results = await asyncio.gather(*(m.look_for_group(**hinted_search) for m in others))
+        await asyncio.gather(*tasks)
+        await stop(nodes[1:] if trouble == "dead leader" else nodes, others if tasks == [] else mms)
+        return results, others
+
+    results, others = run_simulation(main, seed=22, latency=0.02)
+    assert all(r is not None and r.group_size == 3 for r in results)
+    check_consistent(results, others, [b"z"] * 3)
+
+
+def test_held_join_requests_are_bounded_and_malformed_holds_are_not_held():
+    """A leader keeps at most target_group_size early requests open, each at most as long
+    as it asked (and MAX_HOLD); a hold that is not a positive number is no hold."""
+
+    async def main(network):
+        nodes, mms = await make_swarm(network, 3, seed=23, target_group_size=2)
+        target = nodes[0].peer.peer_id
+        asker = nodes[1].peer
+        loop = asyncio.get_running_loop()
+        request = {
+            "v": 1, "prefix": "avg", "group_key": "avg", "ready_by": 1e12,
+            "client_mode": False, "gather": b"",
+        }  # fmt: skip
+
+        async def ask(hold):
+            began = loop.time()
+            stream = asker.iterate(target, JOIN_GROUP, {**request, "hold": hold}, timeout=60)
+            try:
+                answer = await anext(stream)
+            finally:
+                await stream.aclose()
+            return answer.get("reason"), round(loop.time() - began, 1)
+
+        malformed = [await ask(h) for h in ("soon", -1.0, float("nan"), True)]
+        held = await asyncio.gather(*(ask(5.0) for _ in range(3)))
+        capped = await ask(1000.0)
+        await stop(nodes, mms)
+        return malformed, held, capped
+
+    malformed, held, capped = run_simulation(main, seed=23, latency=0.02)
+    assert all(reason == Rejection.NOT_LOOKING and t < 0.5 for reason, t in malformed)
+    assert sorted(t for _, t in held)[0] < 0.5  # the third is not held: two already are
+    assert [t >= 5.0 for _, t in sorted(held, key=lambda x: x[1])] == [False, True, True]
+    assert all(reason == Rejection.NOT_LOOKING for reason, _ in held)
+    assert capped == (Rejection.NOT_LOOKING, pytest.approx(30.0, abs=0.5))
+
+
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=6), st.integers(0, 5))
+def test_begin_messages_carry_the_gathered_bytes_exactly_coded_or_not(gathered, me_index):
+    ids = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(len(gathered))]
+    me = ids[me_index % len(ids)]
+    message = {"code": "begin", "group_id": b"g" * 20, "peer_ids": [p.to_bytes() for p in ids]}
+    message.update(_pack_gathered(tuple(gathered)))
+    info = _parse_group(message, me, ids[0], gathered[ids.index(me)], max_gather_bytes=300)
+    assert list(info.gathered) == gathered and list(info.peer_ids) == ids
+
+
+def test_begin_messages_with_bad_coded_gathered_data_are_refused_by_name():
+    ids = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(3)]
+    base = {"code": "begin", "group_id": b"g" * 20, "peer_ids": [p.to_bytes() for p in ids]}
+    bomb = zlib.compress(msgpack.packb([b"\0" * 5_000_000, b"", b""]))
+    cases = {
+        "not bytes": ({"gathered_z": "text"}, "not bytes"),
+        "not zlib": ({"gathered_z": b"\x00garbage"}, "undecodable"),
+        "cut short": ({"gathered_z": zlib.compress(msgpack.packb([b"a", b"b", b"c"]))[:-4]},
+                      "cut short"),
+        "too large": ({"gathered_z": bomb}, "over"),
+        "not a list": ({"gathered_z": zlib.compress(msgpack.packb({"a": 1}))}, "malformed"),
+    }  # fmt: skip
+    for name, (extra, match) in cases.items():
+        with pytest.raises(ProtocolViolation, match=match):
+            _parse_group({**base, **extra}, ids[1], ids[0], b"b", max_gather_bytes=1 << 20)
+            pytest.fail(name)

@@ -207,6 +207,17 @@ def test_streaming_fragments_sync_in_turn_and_keep_the_peers_close():
             make_diloco(dht, m, num_inner_steps=8, num_fragments=2, matchmaking_time=0.5)
             for dht, m in zip(dhts, models, strict=True)
         ]
+        hints = [[], []]  # (epoch, leader_hint, fragment 0's last group) of fragment 1's steps
+        for opt, seen in zip(opts, hints, strict=True):
+            second = opt.fragments[1].averager
+            original = second.step
+
+            def recording(*args, _opt=opt, _seen=seen, _original=original, **kwargs):
+                first_group = _opt.fragments[0].averager.last_group
+                _seen.append((_opt.local_epoch, kwargs.get("leader_hint"), first_group))
+                return _original(*args, **kwargs)
+
+            second.step = recording
         trainers = [
             Trainer(opt, model, seed=i, until_epoch=4)
             for i, (opt, model) in enumerate(zip(opts, models, strict=True))
@@ -216,6 +227,13 @@ def test_streaming_fragments_sync_in_turn_and_keep_the_peers_close():
             for trainer in trainers:
                 trainer.result()
             assert [f.params for f in opts[0].fragments] == [[0], [1, 2, 3]]  # 128 | 16+32+2
+            # fragment 1 of a step joins the leader of that step's fragment-0 group directly
+            for seen in hints:
+                hinted = [(e, hint) for e, hint, _ in seen if hint is not None]
+                assert len(hinted) >= 2, seen
+                for epoch, hint, first_group in seen:
+                    if hint is not None:
+                        assert first_group == (f"outer{epoch}f0", hint)
             # the peers keep their own inner steps in the merge, so they differ a little,
             # much less than their local drift in an epoch
             drift = max_difference(trainers[0].params_at_epoch[4], trainers[0].params_at_epoch[3])

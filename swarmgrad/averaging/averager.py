@@ -282,6 +282,12 @@ class DecentralizedAverager:
         return self._core.last_result if self._core is not None else None
 
     @property
+    def last_group(self) -> tuple[str, PeerID] | None:
+        """``(round_tag, leader)`` of the last group this peer averaged in (None: none yet);
+        a round that should meet the same peers can pass the leader as ``leader_hint``."""
+        return self._core.matchmaking.last_group if self._core is not None else None
+
+    @property
     def rounds_succeeded(self) -> int:
         """Steps that averaged with at least one other peer."""
         return self._core.rounds_succeeded if self._core is not None else 0
@@ -398,6 +404,7 @@ class DecentralizedAverager:
         wait: bool = True,
         round_tag: str = "",
         expected_group_size: int | None = None,
+        leader_hint: PeerID | None = None,
     ) -> dict[PeerID, Any] | StepControl | None:
         """Average once with a group of peers.
 
@@ -417,8 +424,10 @@ class DecentralizedAverager:
         a peer that finishes an epoch late never mixes its gradients into the next one.
         ``expected_group_size`` (not in hivemind): when the caller knows how many peers
         will come, a group this peer leads begins once it has that many instead of at
-        ``scheduled_time`` (short epochs would otherwise wait out every window). A
-        ``GroupMismatch`` error means this peer's tensors differ from its group's.
+        ``scheduled_time`` (short epochs would otherwise wait out every window).
+        ``leader_hint`` (not in hivemind): the peer expected to lead, e.g. the leader of
+        :attr:`last_group`; followers then join it directly instead of through the DHT.
+        A ``GroupMismatch`` error means this peer's tensors differ from its group's.
         """
         if require_trigger and wait:
             raise ValidationError(
@@ -427,7 +436,7 @@ class DecentralizedAverager:
             )
         core = self._running()
         control = core.new_control(
-            scheduled_time, weight, require_trigger, round_tag, expected_group_size
+            scheduled_time, weight, require_trigger, round_tag, expected_group_size, leader_hint
         )
         inner = run_coroutine_future(
             core.step(gather, timeout=timeout, allow_retries=allow_retries, control=control)

@@ -76,6 +76,7 @@ from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.averaging.tensor_lock import LoopLockHolder
 from swarmgrad.compression import CompressionBase, CompressionType, get_codec
 from swarmgrad.dht.node import DHTNode
+from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
 from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
@@ -431,6 +432,7 @@ class AsyncDecentralizedAverager:
         require_trigger: bool = False,
         round_tag: str = "",
         expected_group_size: int | None = None,
+        leader_hint: PeerID | None = None,
     ) -> StepControl:
         """A StepControl with this averager's defaults (safe from any thread)."""
         if scheduled_time is None:
@@ -447,6 +449,7 @@ class AsyncDecentralizedAverager:
             require_trigger=require_trigger,
             round_tag=round_tag,
             expected_group_size=expected_group_size,
+            leader_hint=leader_hint,
         )
 
     async def step(
@@ -560,6 +563,7 @@ class AsyncDecentralizedAverager:
             scheduled_time=control.scheduled_time,
             round_tag=control.round_tag,
             expected_size=control.expected_group_size,
+            leader_hint=control.leader_hint,
         )
         if group is None:
             logger.debug("%s: no group found under %s", self, self.prefix)

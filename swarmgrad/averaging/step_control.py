@@ -32,6 +32,7 @@ from typing import Any
 from swarmgrad.averaging.allreduce import MAX_WEIGHT
 from swarmgrad.averaging.group_bits import check_round_tag
 from swarmgrad.averaging.pacing import SendPacer
+from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["AveragingStage", "StepControl"]
@@ -70,6 +71,8 @@ class StepControl(concurrent.futures.Future):
     ``expected_group_size``: how many peers the caller knows will come (None: unknown);
     a group this peer leads begins as soon as it has that many members instead of
     waiting for its scheduled time.
+    ``leader_hint``: the peer expected to lead the group (this peer itself, or another):
+    matchmaking then skips the DHT (see :mod:`~swarmgrad.averaging.matchmaking`).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class StepControl(concurrent.futures.Future):
         require_trigger: bool = False,
         round_tag: str = "",
         expected_group_size: int | None = None,
+        leader_hint: PeerID | None = None,
     ):
         super().__init__()
         if not isinstance(scheduled_time, int | float) or not math.isfinite(scheduled_time):
@@ -96,6 +100,9 @@ class StepControl(concurrent.futures.Future):
                 f"expected_group_size must be an int >= 2 or None, got {expected_group_size!r}"
             )
         self.expected_group_size = expected_group_size
+        if leader_hint is not None and not isinstance(leader_hint, PeerID):
+            raise ValidationError(f"leader_hint must be a PeerID or None, got {leader_hint!r:.60}")
+        self.leader_hint = leader_hint
         self._stage = AveragingStage.IDLE
         self._state_lock = threading.Lock()
         self._triggered = False

@@ -73,6 +73,7 @@ from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.compression.base import CompressionInfo
 from swarmgrad.dht.dht import DHT
+from swarmgrad.net.identity import PeerID
 from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_fields
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.progress_tracker import ProgressTracker
@@ -488,7 +489,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             round_tag=f"outer{self.local_epoch}f{fragment.index}",
             gather=self._synced_digest(fragment),
             expected_group_size=self._expected_group_size(),
+            leader_hint=self._leader_hint(fragment),
         )
+
+    def _leader_hint(self, fragment: _Fragment) -> PeerID | None:
+        """The leader of this outer step's first fragment group, for the later fragments:
+        the same peers meet again, so their rounds join that leader directly instead of
+        declaring and reading through the DHT (see swarmgrad.averaging.matchmaking). That
+        control traffic, in the middle of paced data, was what set a streaming peer's
+        busiest second. None for fragment 0, or when its group of this step is unknown."""
+        if fragment.index == 0:
+            return None
+        last = self.fragments[0].averager.last_group
+        if last is None or last[0] != f"outer{self.local_epoch}f0":
+            return None
+        return last[1]
 
     def _expected_group_size(self) -> int | None:
         """The peers the swarm counts (None: fewer than 2), for a round to begin with."""
@@ -521,6 +536,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 round_tag=tag,
                 gather=self._synced_digest(fragment),
                 expected_group_size=self._expected_group_size(),
+                leader_hint=self._leader_hint(fragment),
             )
         control.weight = weight
         rate = self._fragment_send_rate()
