@@ -194,9 +194,12 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         samples += args.batch_size
-    final = {"val_loss": validation_loss(model, val)} if args.evaluate else {}
-    say(event="epoch", epoch=opt.local_epoch, time=time.time(), samples=samples, **final)
+    # shutdown first: streaming's last rounds finish and merge there (the outer step does
+    # not wait for them), and the final model is the one after every sync
+    epoch = opt.local_epoch
     opt.shutdown()
+    final = {"val_loss": validation_loss(model, val)} if args.evaluate else {}
+    say(event="epoch", epoch=epoch, time=time.time(), samples=samples, **final)
     dht.shutdown()
     say(event="done")
 

@@ -162,6 +162,7 @@ class AllReduceResult:
     # trimmed its input (evidence for accountability; empty with the plain mean)
     limited_senders: dict[PeerID, int] = field(default_factory=dict)
     bad_reducers: frozenset[PeerID] = frozenset()  # spans whose result failed the check
+    paced_bytes: int = 0  # what this peer wrote through the round's send pacer
 
     @property
     def fully_averaged(self) -> bool:
@@ -412,6 +413,7 @@ class AllReduceRunner:
         if send_pacer is not None and not isinstance(send_pacer, SendPacer):
             raise ValidationError(f"send_pacer must be a SendPacer or None, got {send_pacer!r}")
         self._pacer = send_pacer
+        self._paced_bytes = 0
         if aggregation is not None and not isinstance(aggregation, AggregationRule):
             raise ValidationError(
                 f"aggregation must be an AggregationRule (e.g. CenteredClip()), got {aggregation!r}"
@@ -619,6 +621,7 @@ class AllReduceRunner:
             deadline_exceeded=deadline_exceeded,
             limited_senders=self._limited_senders(),
             bad_reducers=frozenset(self._bad_reducers),
+            paced_bytes=self._paced_bytes,
         )
 
     def _limited_senders(self) -> dict[PeerID, int]:
@@ -745,6 +748,7 @@ class AllReduceRunner:
             await stream.write(data)
         else:
             await self._pacer.write(stream, data)
+            self._paced_bytes += memoryview(data).nbytes
 
     async def _receive_raw(
         self,

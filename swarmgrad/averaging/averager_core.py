@@ -787,6 +787,7 @@ class AveragingRound:
             excluded_senders=excluded,
             failed_reducers=failed,
             deadline_exceeded=any(r.deadline_exceeded for r in results),
+            paced_bytes=sum(r.paced_bytes for r in results),
         )
 
 

@@ -34,7 +34,12 @@ parameters are cut into F fragments of similar size; fragment f is synchronised 
 epoch is ``(f + 1/2) / F`` done, in the background while inner steps go on, its round's
 writes spread over ``fragment_pace`` (half) of the time until the next fragment is due
 (:mod:`~swarmgrad.averaging.pacing`), so that the swarm's peak bandwidth is about F times
-lower; the outer step at the epoch's end waits for the rounds still running. When a
+lower. The outer step at the epoch's end does not wait for rounds still running: they go
+on into the next epoch (a fragment's round must end before the same fragment is due
+again) and the writes keep their pace through the outer step instead of stopping for it.
+The pace comes from what the last epoch's rounds really wrote (codes are zlib-coded, so
+the codec's own estimate is an upper bound). :meth:`~DiLoCoOptimizer.shutdown` lets rounds
+already averaging finish and merges them, so the last sync is not lost. When a
 fragment's round finishes, the
 outer step is applied to that fragment and the result is merged into the model as
 ``alpha x local + (1 - alpha) x synced`` (``fragment_merge_alpha``; the inner steps made
@@ -57,6 +62,7 @@ the others' average (weight 0).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import logging
@@ -90,6 +96,14 @@ logger = logging.getLogger(__name__)
 #: past its timeout (a fixed floor of 16 KB/s did that job before, and it held a 45-KB
 #: round at 16 KB/s where spreading it over the 3.3-s gap asked for 14)
 _MAX_PACED_SHARE_OF_TIMEOUT = 0.25
+#: the pace is what the last epoch's rounds wrote per round times this margin, so that a
+#: round a little larger than the last does not push the next ones later and later
+_PACE_MARGIN = 1.05
+#: ... and never below this share of the codec's estimate (the last epoch may have had a
+#: failed round or fewer peers)
+_MIN_SHARE_OF_ESTIMATE = 0.6
+#: rounds that shutdown() finishes: their group formed and this peer released them
+_AVERAGING_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 
 
 #: replicas a DiLoCo peer's progress read merges (ProgressTracker's read_quorum): its
@@ -138,6 +152,7 @@ class _Fragment:
         self.running: StepControl | None = None  # launched, not applied yet
         self.running_epoch = -1
         self.synced_epoch = -1  # the last epoch whose round was launched
+        self.counted_result: Any = None  # the last round whose paced bytes were counted
 
 
 class DiLoCoOptimizer(torch.optim.Optimizer):
@@ -239,6 +254,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.fragment_pace = None if fragment_pace is None else float(fragment_pace)
         self._pacer: SendPacer | None = None
         self._last_epoch_length = 0.0
+        # (bytes written, values averaged) of this peer's last paced rounds
+        self._round_bytes: collections.deque[tuple[int, int]] = collections.deque(
+            maxlen=num_fragments
+        )
         self.matchmaking_time, self.averaging_timeout = float(matchmaking_time), averaging_timeout
         self.load_state_timeout = float(load_state_timeout)
         self.grad_compression = grad_compression
@@ -252,6 +271,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._check_sync_on_next_update = True
         self._resync = False  # a round showed that synced copies differ across peers
+        self._state_offer_pending = False  # the epoch's state is declared once it is whole
 
         averager_opts = dict(averager_opts or {})
         self.tracker = ProgressTracker(
@@ -383,6 +403,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if self.metrics is not None and is_scalar_loss(loss):
                 self.metrics.report_loss(loss)
         self._apply_finished_fragments(wait=False)
+        if self._state_offer_pending:
+            self._offer_state()
         if self._should_load_state_from_peers():
             logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
             self.load_state_from_peers()
@@ -492,18 +514,42 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             leader_hint=self._leader_hint(fragment),
         )
 
+    def _offer_state(self) -> None:
+        """Declare this epoch's state to joiners (its priority: the epoch) once no round
+        of an earlier epoch is still running: streaming's late rounds go on past the
+        outer step, and a joiner that downloaded before they merged would hold another
+        copy of their fragments. It also keeps the declaration (a store to each of the
+        key's replicas) out of the outer step's second, which already carries the
+        progress stores: on a 20 Mbit/s link that second was a streaming peer's busiest."""
+        if self.client_mode:
+            return
+        self._state_offer_pending = any(
+            fragment.running is not None and fragment.running_epoch < self.local_epoch
+            for fragment in self.fragments
+        )
+        if not self._state_offer_pending:
+            self.state_averager.state_sharing_priority = self.local_epoch
+
     def _leader_hint(self, fragment: _Fragment) -> PeerID | None:
-        """The leader of this outer step's first fragment group, for the later fragments:
-        the same peers meet again, so their rounds join that leader directly instead of
-        declaring and reading through the DHT (see swarmgrad.averaging.matchmaking). That
-        control traffic, in the middle of paced data, was what set a streaming peer's
-        busiest second. None for fragment 0, or when its group of this step is unknown."""
-        if fragment.index == 0:
+        """The leader of the latest fragment group: for a later fragment, this epoch's
+        first one; for the first, the last epoch's last one (or first). The same peers
+        meet again, so their rounds join that leader directly instead of declaring and
+        reading through the DHT (see swarmgrad.averaging.matchmaking): that control
+        traffic, in the middle of paced data, was what set a streaming peer's busiest
+        second. None in plain DiLoCo and when no such group is known (the first epoch, a
+        peer that just joined): then matchmaking goes through the DHT."""
+        if len(self.fragments) == 1:
             return None
-        last = self.fragments[0].averager.last_group
-        if last is None or last[0] != f"outer{self.local_epoch}f0":
-            return None
-        return last[1]
+        epoch, last_index = self.local_epoch, len(self.fragments) - 1
+        if fragment.index > 0:
+            candidates = [(0, epoch)]
+        else:
+            candidates = [(last_index, epoch - 1), (0, epoch - 1)]
+        for index, tag_epoch in candidates:
+            last = self.fragments[index].averager.last_group
+            if last is not None and last[0] == f"outer{tag_epoch}f{index}":
+                return last[1]
+        return None
 
     def _expected_group_size(self) -> int | None:
         """The peers the swarm counts (None: fewer than 2), for a round to begin with."""
@@ -588,9 +634,32 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             payload += master.numel() * master.element_size() * ratio
         payload /= len(self.fragments)
         sent = 2 * (num_peers - 1) / num_peers * payload  # its parts out, its span back
+        measured = self._measured_bytes_per_round()
+        if measured is not None:  # what rounds really cost here, deflate included
+            sent = max(_PACE_MARGIN * measured, _MIN_SHARE_OF_ESTIMATE * sent)
         window = self.fragment_pace * epoch_length / len(self.fragments)
         timeout = self.averaging_timeout if self.averaging_timeout else 60.0
         return max(sent / window, sent / (_MAX_PACED_SHARE_OF_TIMEOUT * timeout), 1024.0)
+
+    def _measured_bytes_per_round(self) -> float | None:
+        """What the mean fragment's round writes through the pacer, from the bytes per
+        value of the last epoch's worth of rounds (None: none finished yet). The codec's
+        estimate cannot know what zlib saves: it set a pace 12-14% too high. Per value,
+        since fragments differ (the slow-links model's hold 33k, 37k, 33k and 17k values):
+        the mean of the first two rounds alone set the first epoch's pace 17% too high."""
+        if not self._round_bytes:
+            return None
+        sent = sum(b for b, _ in self._round_bytes)
+        values = sum(n for _, n in self._round_bytes)
+        total = sum(master.numel() for master in self._masters)
+        return sent / values * total / len(self.fragments)
+
+    def _count_round_bytes(self, fragment: _Fragment) -> None:
+        result = fragment.averager.last_result
+        if result is not None and result is not fragment.counted_result and result.paced_bytes:
+            fragment.counted_result = result
+            numel = sum(self._masters[index].numel() for index in fragment.params)
+            self._round_bytes.append((result.paced_bytes, numel))
 
     def _wait_for_round(self, control: StepControl, epoch: int) -> Any:
         """The round's result within averaging_timeout; None at once if it is still
@@ -670,6 +739,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 logger.log(self.status_loglevel, "%s: averaging failed: %r", self.run_id, e)
                 if not control.done():
                     control.cancel()
+            self._count_round_bytes(fragment)
         if gathered:
             logger.log(
                 self.status_loglevel,
@@ -760,8 +830,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return not self._alone()
 
     def _outer_step(self) -> None:
-        """The epoch is due: sync the model (streaming: any fragment not launched yet), wait
-        for every round of this epoch, and move to the next epoch."""
+        """The epoch is due: sync the model (streaming: launch any fragment not launched
+        yet), wait for the round (plain DiLoCo; streaming's rounds go on in the
+        background), and move to the next epoch."""
         began = time.perf_counter()
         # the epoch's length for pacing ends here, before the wait for its rounds: with
         # the wait counted, slow rounds made a longer "epoch", slower pacing and slower
@@ -769,18 +840,19 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         epoch_length = get_dht_time() - self._epoch_began
         if self._alone():
             self._found_peers_on_a_last_look()
+        streaming = len(self.fragments) > 1
         with self.tracker.pause_updates():
             for fragment in self.fragments:
                 if fragment.synced_epoch < self.local_epoch:
                     self._launch(fragment)
-            self._apply_finished_fragments(wait=True)
+            # plain DiLoCo's one round is the outer step; streaming's rounds go on
+            self._apply_finished_fragments(wait=not streaming)
             self._resync_if_needed()
             self.state_averager.local_epoch += 1
             self.tracker.update_epoch(new_epoch=self.local_epoch)
             self._restart_epoch_count(epoch_length=epoch_length)
             self._check_sync_on_next_update = True
-            if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
+            self._offer_state()
         logger.log(
             self.status_loglevel,
             "%s: outer step done in %.2f s, now at epoch %d",
@@ -853,11 +925,23 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ shutting down
 
-    def shutdown(self) -> None:
+    def shutdown(self, finish_rounds: bool = True) -> None:
+        """Leave the swarm. Streaming rounds that are already averaging (their group
+        formed, released by this peer) are finished first, within ``averaging_timeout``,
+        and merged: the outer step does not wait for them, so without this the last
+        epoch's late fragments would be lost. Rounds still looking for a group are
+        cancelled. ``finish_rounds=False``: cancel everything at once."""
         if self._closed:
             return
         self._closed = True
         for fragment in self.fragments:
+            running = fragment.running
+            if finish_rounds and running is not None and running.stage in _AVERAGING_STAGES:
+                try:
+                    self._apply_fragment(fragment, running)
+                except Exception as e:  # leaving anyway: the round's result is not needed
+                    logger.warning("%s: could not finish fragment %d's round: %r",
+                                   self.run_id, fragment.index, e)  # fmt: skip
             for control in (fragment.scheduled, fragment.running):
                 if control is not None and not control.done():
                     control.cancel()
@@ -875,7 +959,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def __del__(self) -> None:
         try:
             if not self._closed and getattr(self, "fragments", None) is not None:
-                self.shutdown()
+                self.shutdown(finish_rounds=False)
         except Exception:
             pass
 
