@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from optim_helpers import (
 )
 
 import swarmgrad
+from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import Blockwise4BitQuantization, Uniform8BitQuantization
 from swarmgrad.optim.diloco import DiLoCoOptimizer, _compression_residuals, split_into_fragments
 from swarmgrad.utils.errors import ValidationError
@@ -382,10 +384,121 @@ def test_a_fragment_round_is_paced_over_its_gap_and_never_past_a_quarter_of_the_
                 assert opt._fragment_send_rate() == pytest.approx(sent / 2.0, rel=0.01)
                 progress.eta_next_epoch = opt._epoch_began + 8000.0
                 assert opt._fragment_send_rate() == pytest.approx(sent / 10.0, rel=0.01)
+                # once rounds finished, their real bytes per value set the pace (zlib
+                # makes them smaller than the codec's estimate), with a 5% margin
+                progress.eta_next_epoch = opt._epoch_began + 8.0
+                small = opt.fragments[1]
+                numel = sum(opt._masters[i].numel() for i in small.params)
+                opt._round_bytes.append((numel * 5, numel))  # 5 bytes per value (of 6)
+                total = sum(m.numel() for m in opt._masters)
+                measured = 1.05 * 5 * total / 2
+                assert opt._fragment_send_rate() == pytest.approx(measured / 2.0, rel=0.01)
+                # a round that sent nearly nothing halves the mean: the floor holds
+                opt._round_bytes.append((1, numel))
+                assert opt._fragment_send_rate() == pytest.approx(0.6 * sent / 2.0, rel=0.01)
                 opt.fragment_pace = None
                 assert opt._fragment_send_rate() is None
         finally:
             opt.shutdown()
+
+
+class _Fake:
+    """Stands in for a fragment's averager where only ``last_group`` is read."""
+
+    def __init__(self, last_group):
+        self.last_group = last_group
+
+
+def test_each_fragment_round_is_hinted_with_the_latest_groups_leader():
+    """A later fragment joins the leader of this epoch's first fragment group; the first
+    fragment, the leader of the last epoch's last (or first) one; plain DiLoCo, and a
+    peer that knows no group of those epochs, go through the DHT."""
+    from swarmgrad.net.identity import Identity
+
+    with dht_swarm(1) as dhts:
+        opt = make_diloco(dhts[0], make_model(), num_inner_steps=8, num_fragments=3)
+        leaders = [Identity.generate().peer_id for _ in range(3)]
+        originals = [f.averager for f in opt.fragments]
+        try:
+            first, second, third = opt.fragments
+            opt.state_averager.local_epoch = 5
+            first.averager = _Fake(("outer5f0", leaders[0]))
+            second.averager = _Fake(None)
+            third.averager = _Fake(("outer4f2", leaders[2]))
+            assert opt._leader_hint(second) == leaders[0]
+            assert opt._leader_hint(third) == leaders[0]
+            assert opt._leader_hint(first) == leaders[2]  # last epoch's last group
+            third.averager = _Fake(("outer3f2", leaders[2]))  # too old
+            first.averager = _Fake(("outer4f0", leaders[1]))
+            assert opt._leader_hint(first) == leaders[1]
+            assert opt._leader_hint(second) is None  # this epoch's first group unknown
+        finally:
+            for fragment, averager in zip(opt.fragments, originals, strict=True):
+                fragment.averager = averager
+            opt.shutdown()
+        plain = make_diloco(dhts[0], make_model(), run_id="plain", num_inner_steps=8)
+        try:
+            assert plain._leader_hint(plain.fragments[0]) is None
+        finally:
+            plain.shutdown()
+
+
+def _running_control(epoch_tag: str) -> StepControl:
+    control = StepControl(scheduled_time=0.0, weight=1.0, round_tag=epoch_tag)
+    control._set_stage(AveragingStage.RUNNING_ALLREDUCE)
+    return control
+
+
+def test_streaming_rounds_outlive_the_outer_step_and_shutdown_merges_them():
+    """Streaming: the outer step leaves a round in flight running (its writes keep their
+    pace), offers the new epoch's state only once that round merged, and shutdown
+    waits for a round already averaging and merges it instead of dropping it."""
+    with dht_swarm(1) as dhts:
+        opt = make_diloco(dhts[0], make_model(), num_inner_steps=8, num_fragments=2)
+        try:
+            declared = []
+            opt.state_averager = _Recorder(opt.state_averager, declared)
+            late = opt.fragments[1]
+            late.running, late.running_epoch = _running_control("outer0f1"), 0
+            opt.fragments[0].synced_epoch = late.synced_epoch = 0
+            opt._outer_step()
+            assert opt.local_epoch == 1
+            assert late.running is not None and not late.running.done()  # not waited for
+            assert opt._state_offer_pending and declared == []
+            late.running.set_result({"peer": b"digest"})
+            opt._apply_finished_fragments(wait=False)
+            opt._offer_state()
+            assert declared == [1] and not opt._state_offer_pending
+            # a round already averaging at shutdown is finished and merged, not cancelled
+            before = [m.detach().clone() for m in opt._masters]
+            for index in late.params:
+                opt._masters[index].grad = torch.ones_like(opt._masters[index])
+            control = _running_control("outer1f1")
+            late.running, late.running_epoch = control, 1
+            timer = threading.Timer(0.3, control.set_result, args=({"peer": b"digest"},))
+            timer.start()
+            opt.shutdown()
+            assert control.done() and not control.cancelled()
+            moved = [not torch.equal(a, m) for a, m in zip(before, opt._masters, strict=True)]
+            assert [moved[i] for i in late.params] == [True] * len(late.params)
+        finally:
+            opt.shutdown()
+
+
+class _Recorder:
+    """Wraps the state averager, recording the epochs it is asked to offer."""
+
+    def __init__(self, inner, declared):
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_declared", declared)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):
+        if name == "state_sharing_priority":
+            self._declared.append(value)
+        setattr(self._inner, name, value)
 
 
 @pytest.mark.parametrize(
