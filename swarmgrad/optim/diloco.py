@@ -96,8 +96,9 @@ logger = logging.getLogger(__name__)
 #: past its timeout (a fixed floor of 16 KB/s did that job before, and it held a 45-KB
 #: round at 16 KB/s where spreading it over the 3.3-s gap asked for 14)
 _MAX_PACED_SHARE_OF_TIMEOUT = 0.25
-#: the pace is what the last epoch's rounds wrote per round times this margin, so that a
-#: round a little larger than the last does not push the next ones later and later
+#: the pace is what the last epoch's rounds wrote (per value, for the mean fragment)
+#: times this margin, so that a round a little larger than the last does not push the
+#: next ones later and later
 _PACE_MARGIN = 1.05
 #: ... and never below this share of the codec's estimate (the last epoch may have had a
 #: failed round or fewer peers)
