@@ -32,7 +32,8 @@ majority, where no rule helps); the figure is the held-out cross-entropy at the
 end (the median over the six honest peers' models), against an attack-free run of each
 rule. ``BYZ_EPOCHS``, ``BYZ_LR``, ``BYZ_TAU``, ``BYZ_STEPS``, ``BYZ_WORKER_MOMENTUM`` (0:
 the robust runs without it) and ``BYZ_ATTACKS`` (comma separated) change the setting for
-experiments. The robust rule's
+experiments; ``BYZ_BAN_AFTER=N`` gives the robust runs ``ban_after=N`` (accountability:
+see docs/security.md for why it is not the default here). The robust rule's
 cost (``robust_overhead``) is the median wall time of an averaging round of the 8 peers
 with CenteredClip against the plain mean, attack-free, rounds interleaved (15 each), for
 the MLP's gradient; ``round_s`` also has a 1M-value tensor, where the rule's compute
@@ -74,6 +75,7 @@ ROUND_SIZES = (2410, 1 << 20)  # the MLP's gradient, and a 4 MB tensor where the
 # compute shows (CenteredClip: up to 20 passes over senders x part per part)
 ROUND_TRIALS = 15  # interleaved averaging rounds per rule for robust_overhead
 WORKER_MOMENTUM = float(os.environ.get("BYZ_WORKER_MOMENTUM", 0.9))  # robust runs only
+BAN_AFTER = int(os.environ.get("BYZ_BAN_AFTER", 0))  # robust runs: ban_after (0: no bans)
 ALL_ATTACKS = ("sign_flip", "scaled", "noise", "alie")
 ATTACKS = tuple(os.environ.get("BYZ_ATTACKS", ",".join(ALL_ATTACKS)).split(","))
 
@@ -159,6 +161,8 @@ def run(attack_kind: str | None, robust: bool) -> dict:
     averager_opts: dict = {"min_group_size": QUORUM}
     if robust:
         averager_opts["aggregation"] = CenteredClip(tau=TAU, min_inputs=QUORUM)
+        if BAN_AFTER:
+            averager_opts["ban_after"] = BAN_AFTER
     models = [make_model() for _ in range(PEERS)]
     run_id = f"byz_{attack_kind}_{int(robust)}_{time.monotonic_ns()}"
     collusion = Collusion()

@@ -180,7 +180,6 @@ def test_verify_signature_rejects_malformed_inputs_without_raising():
     assert not verify_signature(b"\xff" * 32, signature, b"data")
 
 
-
 def test_a_key_of_small_order_signs_nothing():
     """The neutral point as a public key, with R = neutral point and S = 0, passes the
     plain ed25519 equation for every message (OpenSSL, through cryptography, accepts it):
@@ -190,6 +189,7 @@ def test_a_key_of_small_order_signs_nothing():
     for message in (b"", b"any message", os.urandom(64)):
         assert not verify_signature(neutral, signature, message)
         assert not PeerID.from_public_key(neutral).verify(signature, message)
+
 
 # --- identity files -------------------------------------------------------------------
 
