@@ -424,8 +424,9 @@ class Matchmaking:
         self, s: _Search, scheduled_time: float | None, hint: PeerID | None
     ) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
-        if hint == self.peer.peer_id and not self.client_mode:
-            s.reads_from = loop.time() + self.min_matchmaking_time / 2  # followers come to us
+        if hint == self.peer.peer_id:
+            if not self.client_mode:  # followers come to us
+                s.reads_from = loop.time() + self.min_matchmaking_time / 2
         elif hint is not None and not self.is_banned(hint):
             group = await self._follow_hint(s, hint, scheduled_time)
             if group is not None:
