@@ -23,17 +23,19 @@ worker momentum its momentum; ``AttackingGradientAverager``):
 
 Each attack is run with plain averaging (SGD momentum 0.9 after the average, the usual
 setting) and with ``CenteredClip(tau=0.02, min_inputs=5)`` passed through
-``averager_opts={"aggregation": ...}`` and worker momentum 0.9 (each peer sends its
-momentum, ``GradientAverager(worker_momentum=0.9)``, and SGD lr 3.0 without momentum
-applies the average: the same update without liars), groups of at least 5 in both
-(``min_group_size``: to tolerate 2 liars a group, and each part an owner reduces, needs
+``averager_opts={"aggregation": ..., "ban_after": 5}`` (accountability: a peer blamed
+in 5 of its last 10 rounds with us is left out of our groups) and worker momentum 0.9
+(each peer sends its momentum, ``GradientAverager(worker_momentum=0.9)``, and SGD lr
+3.0 without momentum applies the average: the same update without liars), groups of at least 5
+in both (``min_group_size``: to tolerate 2 liars a group, and each part an owner reduces, needs
 2 x 2 + 1 members; on a loaded box groups of 3 had formed and held the liars as a
 majority, where no rule helps); the figure is the held-out cross-entropy at the
 end (the median over the six honest peers' models), against an attack-free run of each
 rule. ``BYZ_EPOCHS``, ``BYZ_LR``, ``BYZ_TAU``, ``BYZ_STEPS``, ``BYZ_WORKER_MOMENTUM`` (0:
 the robust runs without it) and ``BYZ_ATTACKS`` (comma separated) change the setting for
-experiments; ``BYZ_BAN_AFTER=N`` gives the robust runs ``ban_after=N`` (accountability:
-see docs/security.md for why it is not the default here). The robust rule's
+experiments; ``BYZ_BAN_AFTER=N`` gives the robust runs ``ban_after=N`` instead (0: no
+bans, CenteredClip alone). Each run reports the bans the honest peers hold at its end
+(``bans``: of liars, and of honest peers, which should stay 0). The robust rule's
 cost (``robust_overhead``) is the median wall time of an averaging round of the 8 peers
 with CenteredClip against the plain mean, attack-free, rounds interleaved (15 each), for
 the MLP's gradient; ``round_s`` also has a 1M-value tensor, where the rule's compute
@@ -75,7 +77,7 @@ ROUND_SIZES = (2410, 1 << 20)  # the MLP's gradient, and a 4 MB tensor where the
 # compute shows (CenteredClip: up to 20 passes over senders x part per part)
 ROUND_TRIALS = 15  # interleaved averaging rounds per rule for robust_overhead
 WORKER_MOMENTUM = float(os.environ.get("BYZ_WORKER_MOMENTUM", 0.9))  # robust runs only
-BAN_AFTER = int(os.environ.get("BYZ_BAN_AFTER", 0))  # robust runs: ban_after (0: no bans)
+BAN_AFTER = int(os.environ.get("BYZ_BAN_AFTER", 5))  # robust runs: ban_after (0: no bans)
 ALL_ATTACKS = ("sign_flip", "scaled", "noise", "alie")
 ATTACKS = tuple(os.environ.get("BYZ_ATTACKS", ",".join(ALL_ATTACKS)).split(","))
 
@@ -240,6 +242,14 @@ def run(attack_kind: str | None, robust: bool) -> dict:
     epochs = sorted(epoch_times)
     gaps = [epoch_times[b] - epoch_times[a] for a, b in itertools.pairwise(epochs)]
     reached = opts[0].local_epoch
+    # bans the honest peers hold at the end, of liars and of honest peers (both averagers)
+    liars = {str(d.peer_id) for d in dhts[PEERS - ATTACKERS :]} if attack_kind else set()
+    bans = {"liars": 0, "honest": 0}
+    for opt in opts[: PEERS - ATTACKERS]:
+        for averager in (opt.grad_averager, opt.state_averager):
+            for peer, evidence in averager.offenders.items():
+                if evidence["banned"]:
+                    bans["liars" if peer in liars else "honest"] += 1
     for opt in opts:
         opt.shutdown()
     for dht in reversed(dhts):
@@ -251,6 +261,7 @@ def run(attack_kind: str | None, robust: bool) -> dict:
         "epochs": reached,
         "wall_s": round(wall, 1),
         "epoch_s": round(statistics.median(gaps), 3) if gaps else None,
+        "bans": bans,
     }
 
 
@@ -332,7 +343,11 @@ def main() -> None:
     print(f"clean: {json.dumps(clean)}", file=sys.stderr)
     for kind in ATTACKS:
         outcome = {robust: run(kind, robust) for robust in (False, True)}
-        results[kind] = {"mean": outcome[False]["loss"], "centered_clip": outcome[True]["loss"]}
+        results[kind] = {
+            "mean": outcome[False]["loss"],
+            "centered_clip": outcome[True]["loss"],
+            "centered_clip_bans": outcome[True]["bans"],
+        }
         print(f"{kind}: {json.dumps(outcome)}", file=sys.stderr)
     rounds = {numel: round_times(numel) for numel in ROUND_SIZES}
     print(f"round times (s): {json.dumps(rounds)}", file=sys.stderr)
@@ -341,6 +356,8 @@ def main() -> None:
         **results,
         "clean_loss": clean[False]["loss"],
         "clean_loss_centered_clip": clean[True]["loss"],
+        "clean_centered_clip_bans": clean[True]["bans"],
+        "ban_after": BAN_AFTER,
         "robust_overhead": round(small["centered_clip"] / small["mean"] - 1, 3)
         if len(small) == 2
         else None,

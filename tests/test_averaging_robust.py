@@ -183,6 +183,26 @@ def test_bad_parameters_and_inputs_are_refused_by_name():
         rule.aggregate(torch.zeros(2, 2), torch.tensor([1.0, -1.0]))
     assert CenteredClip(tau=1.0).tag != CenteredClip(tau=2.0).tag != TrimmedMean().tag
     assert CenteredClip(min_inputs=3).tag != CenteredClip().tag  # members agree on the quorum
+    assert CenteredClip(outlier_factor=5).tag == CenteredClip().tag  # blame only, not results
+    for factor in (0.5, True, "3"):
+        with pytest.raises(ValidationError, match="outlier_factor must be a number >= 1"):
+            CenteredClip(outlier_factor=factor)
+
+
+def test_centered_clip_blames_inputs_far_beyond_the_spread_not_the_farthest_honest_one():
+    gen = torch.Generator().manual_seed(3)
+    honest = 1.0 + torch.randn(6, 50, generator=gen)  # spread ~7 in norm
+    rule = CenteredClip(tau=2.0, n_iters=50)  # below the spread: honest inputs are clipped
+    _, blamed = rule.aggregate(honest, torch.ones(6))
+    assert blamed == [False] * 6
+    liars = torch.stack([-4 * honest.mean(0)] * 2)
+    _, blamed = rule.aggregate(torch.cat([honest, liars]), torch.ones(8))
+    assert blamed == [False] * 6 + [True] * 2
+    # with factor 1 any clipped input farther than the median one is blamed
+    _, blamed = CenteredClip(tau=2.0, n_iters=50, outlier_factor=1.0).aggregate(
+        honest, torch.ones(6)
+    )
+    assert any(blamed)
 
 
 # ---------------------------------------------------------------------- the reducer
@@ -258,10 +278,13 @@ def test_a_member_scaling_its_tensors_by_1000_is_clipped_and_named_in_the_result
         await asyncio.gather(*(a.step(timeout=20) for a in avgs))
         last = [a.last_result for a in avgs]
         attacker_id = avgs[-1].peer.peer_id
+        everyone = [a.peer.peer_id for a in avgs]
         await stop(nodes, avgs)
-        return last, attacker_id
+        return last, attacker_id, everyone
 
-    last, attacker_id = simulate(main)
+    last, attacker_id, everyone = simulate(main)
+    for me, result in zip(everyone, last, strict=True):  # who our span's reduction used
+        assert result.contributors == frozenset(everyone) - {me}
     for ts in sets[:4]:
         # the clipped attacker moves each of the 5 spans' results by tau / 4 at most (the
         # plain mean would be ~1600 away)
@@ -348,8 +371,70 @@ def test_the_facade_takes_the_rule_and_the_ban_and_refuses_bad_values_by_name():
             ({"aggregation": "centered_clip"}, "aggregation must be an AggregationRule"),
             ({"ban_after": 0}, "ban_after must be a positive int or None"),
             ({"ban_duration": -1}, "ban_duration must be positive seconds"),
+            ({"ban_after": 3, "ban_window": 2}, "ban_window must be an int >= ban_after"),
+            ({"ban_after": 3, "ban_window": 4.5}, "ban_window must be an int >= ban_after"),
+            ({"ban_after": 3, "ban_window": True}, "ban_window must be an int >= ban_after"),
         ):
             with pytest.raises(ValidationError, match=reason):
                 make(start=True, **options)
     finally:
         dht.shutdown()
+
+
+def _peer(i: int):
+    import hashlib
+
+    from swarmgrad.net.identity import PeerID
+
+    return PeerID(b"\x12\x20" + hashlib.sha256(i.to_bytes(8, "big")).digest())
+
+
+def _round(contributors, limited=(), bad=()):
+    from swarmgrad.averaging.allreduce import AllReduceResult
+
+    return AllReduceResult(
+        group_id=b"g",
+        averaged_spans=frozenset(),
+        local_spans=frozenset(),
+        limited_senders={p: 1 for p in limited},
+        bad_reducers=frozenset(bad),
+        failed_reducers={p: "its span was 100 x beyond the check" for p in bad},
+        contributors=frozenset(contributors),
+    )
+
+
+def test_bans_count_offences_among_recent_rounds_not_a_running_total(caplog):
+    from swarmgrad.averaging.offenders import OffenderLog
+
+    straggler, liar, bad_owner = _peer(1), _peer(2), _peer(3)
+    log = OffenderLog(ban_after=3, ban_duration=60, owner="test", ban_window=6)
+    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.offenders"):
+        for i in range(40):  # the straggler stands out once in every 4 rounds: 10 in all
+            limited = [straggler] if i % 4 == 0 else []
+            limited += [liar] if i >= 30 else []
+            log.record(_round([straggler, liar], limited=limited))
+            if i == 31:
+                assert not log.is_banned(liar)  # two offences in its last 6 rounds
+            if i == 32:
+                assert log.is_banned(liar)
+    assert log.counts[straggler].clipped_rounds == 10
+    assert not log.is_banned(straggler)
+    assert log.banned == frozenset({liar})
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "offended in 3 of its last 6 round(s)" in said[0]
+    # a bad reduction is an offence too, in the same window; its reason is logged
+    for _ in range(3):
+        log.record(_round([], bad=[bad_owner]))
+    assert log.is_banned(bad_owner) and "100 x beyond" in caplog.records[-1].getMessage()
+    assert log.as_metrics()[str(bad_owner)]["bad_reductions"] == 3
+
+
+def test_without_bans_counts_are_kept_and_nobody_is_banned():
+    from swarmgrad.averaging.offenders import OffenderLog
+
+    liar = _peer(2)
+    log = OffenderLog(ban_after=None, ban_duration=60, owner="test")
+    for _ in range(50):
+        log.record(_round([liar], limited=[liar]))
+    assert log.counts[liar].clipped_rounds == 50 and log.banned == frozenset()
+    assert log.ban_window == 0 and log._recent == {}

@@ -162,6 +162,9 @@ class AllReduceResult:
     # trimmed its input (evidence for accountability; empty with the plain mean)
     limited_senders: dict[PeerID, int] = field(default_factory=dict)
     bad_reducers: frozenset[PeerID] = frozenset()  # spans whose result failed the check
+    # other members whose inputs our span's reduction used (the rounds that count as
+    # "seen" for accountability's window, see offenders.py)
+    contributors: frozenset[PeerID] = frozenset()
     paced_bytes: int = 0  # what this peer wrote through the round's send pacer
 
     @property
@@ -621,7 +624,18 @@ class AllReduceRunner:
             deadline_exceeded=deadline_exceeded,
             limited_senders=self._limited_senders(),
             bad_reducers=frozenset(self._bad_reducers),
+            contributors=self._contributors(),
             paced_bytes=self._paced_bytes,
+        )
+
+    def _contributors(self) -> frozenset[PeerID]:
+        counts = getattr(self._reducer, "contributions", None)
+        if counts is None:
+            return frozenset()
+        return frozenset(
+            self.ordered_peer_ids[member]
+            for member, slot in self._slot_of.items()
+            if counts[slot] and member != self.my_index
         )
 
     def _limited_senders(self) -> dict[PeerID, int]:

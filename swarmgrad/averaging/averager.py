@@ -56,6 +56,7 @@ _EXTRA_OPTIONS = {
     "aggregate_tag",
     "aggregation",
     "ban_after",
+    "ban_window",
     "ban_duration",
 }
 _IGNORED_OPTIONS = {"daemon"}  # hivemind forks a process; nothing is forked here
@@ -109,9 +110,10 @@ class DecentralizedAverager:
         peers with another one apart; see
         :class:`~.averager_core.AsyncDecentralizedAverager`); ``aggregation`` (a robust
         rule, :class:`~.robust.CenteredClip` or :class:`~.robust.TrimmedMean`, applied by
-        each span's owner; members must use the same), ``ban_after`` and
-        ``ban_duration`` (exclude a peer from our groups after that many offending
-        rounds, :mod:`.offenders`); ``daemon`` is accepted and ignored.
+        each span's owner; members must use the same), ``ban_after``,
+        ``ban_window`` and ``ban_duration`` (exclude a peer from our groups for
+        ``ban_duration`` s once it offended in ``ban_after`` of the last ``ban_window``
+        rounds it took part in with us, :mod:`.offenders`); ``daemon`` is accepted and ignored.
     """
 
     def __init__(

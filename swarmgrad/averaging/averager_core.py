@@ -192,6 +192,7 @@ class AsyncDecentralizedAverager:
         aggregate_tag: str | None = None,
         aggregation: AggregationRule | None = None,
         ban_after: int | None = None,
+        ban_window: int | None = None,
         ban_duration: float = 600.0,
         state_priority: float = 0.0,
         lock: Any = None,
@@ -226,6 +227,14 @@ class AsyncDecentralizedAverager:
             isinstance(ban_after, bool) or not isinstance(ban_after, int) or ban_after < 1
         ):
             raise ValidationError(f"ban_after must be a positive int or None, got {ban_after!r}")
+        if ban_window is not None and (
+            isinstance(ban_window, bool)
+            or not isinstance(ban_window, int)
+            or ban_window < (ban_after or 1)
+        ):
+            raise ValidationError(
+                f"ban_window must be an int >= ban_after ({ban_after}) or None, got {ban_window!r}"
+            )
         if not isinstance(ban_duration, int | float) or not 0 < ban_duration < math.inf:
             raise ValidationError(f"ban_duration must be positive seconds, got {ban_duration!r}")
         self._aggregate = aggregate
@@ -326,7 +335,7 @@ class AsyncDecentralizedAverager:
         # error), for the peer's metrics; a cancelled step counts as neither
         self.rounds_succeeded = 0
         self.rounds_failed = 0
-        self.offenders = OffenderLog(ban_after, float(ban_duration), prefix)
+        self.offenders = OffenderLog(ban_after, float(ban_duration), prefix, ban_window)
         self.matchmaking.is_banned = self.offenders.is_banned
         self._lock_holder = LoopLockHolder(self.lock)
         self._step_lock = asyncio.Lock()

@@ -175,11 +175,18 @@ class AggregationRule:
 
 @dataclass(frozen=True)
 class CenteredClip(AggregationRule):
-    """``CenteredClip(tau=1.0, n_iters=20)``; ``tau`` in the units of the averaged values
-    (a gradient's per-part norm scale), ``n_iters`` the fixed-point iterations."""
+    """``CenteredClip(tau=1.0, n_iters=20, outlier_factor=3.0)``; ``tau`` in the units of
+    the averaged values (a gradient's per-part norm scale), ``n_iters`` the fixed-point
+    iterations. An input counts as limited (evidence against its sender) when it was
+    clipped *and* lies more than ``outlier_factor`` times the inputs' median distance from
+    the result: with ``tau`` near the honest spread, the honest input that happens to lie
+    farthest is clipped too, and with worker momentum it stays farthest for several
+    rounds; a liar that pulls hard enough to matter lies far beyond the others. The
+    factor decides blame only, never the result, so it is not part of the tag."""
 
     tau: float = 1.0
     n_iters: int = 20
+    outlier_factor: float = 3.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -191,6 +198,9 @@ class CenteredClip(AggregationRule):
             raise ValidationError(f"n_iters must be a positive int, got {self.n_iters!r}")
         if self.n_iters <= 0:
             raise ValidationError(f"n_iters must be a positive int, got {self.n_iters}")
+        factor = self.outlier_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor >= 1:
+            raise ValidationError(f"outlier_factor must be a number >= 1, got {factor!r}")
 
     @property
     def tag(self) -> str:
@@ -220,25 +230,32 @@ class CenteredClip(AggregationRule):
         gram = (offsets @ offsets.T).to(torch.float64).numpy()  # [n, n]
         diagonal = gram.diagonal().copy()
         beta = np.zeros(len(w))
+        gram_beta = np.zeros(len(w))  # gram @ beta, kept up to date
+        center_sq = 0.0  # |c - median|^2 = beta @ gram @ beta
         median_norm = float(median.norm())
         tau = float(self.tau)
-        clipped = np.zeros(len(w), dtype=bool)
-        for _ in range(self.n_iters):  # n x n numpy: microseconds, not torch calls
-            gram_beta = gram @ beta
-            center_sq = float(beta @ gram_beta)  # |c - median|^2
+        w_tau = w * tau
+        distances = np.zeros(len(w))
+        # n x n numpy: microseconds, not torch calls; few operations per iteration, since
+        # for a small tensor the iteration is most of the rule's cost (robust_overhead)
+        for _ in range(self.n_iters):
             # |x_i - c|^2 = |y_i|^2 - 2 y_i.(c - median) + |c - median|^2
             distances = np.sqrt(np.maximum(diagonal - 2 * gram_beta + center_sq, 0.0))
-            clipped = distances > tau
-            pull = w * np.minimum(tau / np.maximum(distances, 1e-30), 1.0)
-            beta = beta * (1 - pull.sum()) + pull  # c += sum_i pull_i (x_i - c)
-            # |step|^2 = pull^T D pull, D_ij = (x_i - c).(x_j - c) at the old center
-            between = gram - gram_beta[:, None] - gram_beta[None, :] + center_sq
-            step_sq = float(pull @ between @ pull)
+            pull = w_tau / np.maximum(distances, tau)  # w_i min(tau / d_i, 1)
+            # c += sum_i pull_i (x_i - c): in coefficients, beta += pull - sum(pull) beta
+            delta = pull - pull.sum() * beta
+            gram_delta = gram @ delta
+            step_sq = float(delta @ gram_delta)  # |step|^2
             scale = max(1.0, median_norm + math.sqrt(max(center_sq, 0.0)))
+            beta += delta
+            gram_beta += gram_delta
+            center_sq = float(beta @ gram_beta)
             if step_sq <= (1e-7 * scale) ** 2:
                 break
+        clipped = distances > tau  # at the last center the loop measured
         combination = torch.from_numpy(beta).to(inputs.dtype)
-        return median + combination @ offsets, clipped.tolist()
+        stands_out = clipped & (distances > self.outlier_factor * float(np.median(distances)))
+        return median + combination @ offsets, stands_out.tolist()
 
 
 @dataclass(frozen=True)
