@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 
 import pytest
 import torch
@@ -438,3 +439,22 @@ def test_without_bans_counts_are_kept_and_nobody_is_banned():
         log.record(_round([liar], limited=[liar]))
     assert log.counts[liar].clipped_rounds == 50 and log.banned == frozenset()
     assert log.ban_window == 0 and log._recent == {}
+
+
+def test_a_log_follows_another_logs_bans_until_they_expire():
+    from swarmgrad.averaging.offenders import OffenderLog
+
+    liar = _peer(2)
+    grads = OffenderLog(ban_after=1, ban_duration=0.05, owner="grads")
+    state = OffenderLog(ban_after=None, ban_duration=60, owner="state")
+    state.follow(grads)
+    with pytest.raises(ValueError, match="cannot follow itself"):
+        state.follow(state)
+    for _ in range(3):  # its own blame never bans (ban_after None)...
+        state.record(_round([liar], limited=[liar]))
+    assert not state.is_banned(liar)
+    grads.record(_round([liar], limited=[liar]))  # ...the followed log's ban does
+    assert grads.is_banned(liar) and state.is_banned(liar)
+    assert state.as_metrics()[str(liar)]["banned"] is True
+    time.sleep(0.06)
+    assert not grads.is_banned(liar) and not state.is_banned(liar)

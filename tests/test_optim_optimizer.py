@@ -743,3 +743,55 @@ def test_states_count_as_equal_only_after_a_whole_round_with_fresh_digests():
             assert not opt._round_left_states_equal(gathered)
         finally:
             shutdown_all(*opts)
+
+
+def test_bans_act_on_the_gradient_averager_and_never_on_synced_parameters():
+    """``ban_after`` in ``averager_opts`` reaches the averager of gradients (or of
+    pseudo-gradients); the state averager of parameters kept in sync blames but never
+    bans (offenders.without_bans); in local-updates mode it is the only averager and
+    keeps them."""
+    from swarmgrad.averaging import CenteredClip
+    from swarmgrad.optim.diloco import DiLoCoOptimizer
+
+    def ban_settings(averager):
+        log = averager._core.offenders
+        return log.ban_after, log.ban_window
+
+    opts = {"aggregation": CenteredClip(tau=0.5), "ban_after": 4, "ban_window": 6}
+    with dht_swarm(1) as dhts:
+        model = make_model()
+        opt = make_optimizer(dhts[0], model, averager_opts=dict(opts))
+        try:
+            assert ban_settings(opt.grad_averager) == (4, 6)
+            assert ban_settings(opt.state_averager) == (None, 0)
+            assert opt.state_averager._core.aggregation == opts["aggregation"]  # still robust
+            # ...and it follows the gradient averager's bans: a liar there is left out here
+            liar = dhts[0].peer_id
+            grad_log = opt.grad_averager._core.offenders
+            state_log = opt.state_averager._core.offenders
+            assert not state_log.is_banned(liar)
+            grad_log._banned_until[liar] = time.monotonic() + 60
+            assert state_log.is_banned(liar) and state_log.banned == frozenset()
+        finally:
+            opt.shutdown()
+        local = make_optimizer(
+            dhts[0], model, run_id="local", use_local_updates=True, averager_opts=dict(opts)
+        )
+        try:
+            assert ban_settings(local.state_averager) == (4, 6)
+        finally:
+            local.shutdown()
+        diloco = DiLoCoOptimizer(
+            dht=dhts[0],
+            run_id="diloco",
+            batch_size=8,
+            num_inner_steps=5,
+            inner_optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+            params=model.parameters(),
+            averager_opts=dict(opts),
+        )
+        try:
+            assert all(ban_settings(f.averager) == (4, 6) for f in diloco.fragments)
+            assert ban_settings(diloco.state_averager) == (None, 0)
+        finally:
+            diloco.shutdown()

@@ -304,6 +304,11 @@ class DecentralizedAverager:
         """Robust averaging's evidence per peer: rounds clipped, bad reductions, banned."""
         return self._core.offenders.as_metrics() if self._core is not None else {}
 
+    def follow_bans_of(self, other: DecentralizedAverager) -> None:
+        """Leave out of our groups whoever ``other`` has banned, as well as our own bans
+        (both averagers running): see :meth:`.offenders.OffenderLog.follow`."""
+        self._running().offenders.follow(other._running().offenders)
+
     def get_group_bits(self) -> str:
         core = self._core
         if core is None:

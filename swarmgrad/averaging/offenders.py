@@ -28,9 +28,22 @@ from dataclasses import dataclass
 from swarmgrad.averaging.allreduce import AllReduceResult
 from swarmgrad.net.identity import PeerID
 
-__all__ = ["OffenceCounts", "OffenderLog"]
+__all__ = ["BAN_OPTIONS", "OffenceCounts", "OffenderLog", "without_bans"]
 
 logger = logging.getLogger(__name__)
+
+BAN_OPTIONS = ("ban_after", "ban_window")
+
+
+def without_bans(options: dict) -> dict:
+    """``options`` without the ban settings, for an averager of parameters that peers
+    keep in sync (the collaborative optimizers' state averagers, next to a gradient
+    averager that bans). There honest inputs are not alike: a peer whose gradient round
+    went otherwise (a missed round, a group that held a liar) holds parameters off the
+    others', is rightly clipped, and averaging is what brings it back; a ban would cut it
+    off from exactly that, so it stays off and is blamed again: in the byzantine
+    benchmark one honest peer was banned so by five others. Blame is still counted."""
+    return {key: value for key, value in options.items() if key not in BAN_OPTIONS}
 
 
 @dataclass
@@ -57,6 +70,16 @@ class OffenderLog:
         # part in with us (kept only when bans are on)
         self._recent: dict[PeerID, deque[bool]] = {}
         self._banned_until: dict[PeerID, float] = {}
+        self._followed: list[OffenderLog] = []
+
+    def follow(self, other: OffenderLog) -> None:
+        """Also leave out of our groups whoever ``other`` bans (its evidence, not ours):
+        a state averager follows its optimizer's gradient averager, so that a peer
+        banned for lying in gradients does not go on pulling our parameters, while the
+        state averager's own blame never bans (:func:`without_bans`)."""
+        if other is self:
+            raise ValueError("an offender log cannot follow itself")
+        self._followed.append(other)
 
     def record(self, result: AllReduceResult) -> None:
         reasons: dict[PeerID, str] = {}
@@ -80,17 +103,19 @@ class OffenderLog:
                 self._maybe_ban(peer_id, reasons[peer_id])
 
     def is_banned(self, peer_id: PeerID) -> bool:
+        """Banned by us (until the ban expires) or by a log we follow."""
         until = self._banned_until.get(peer_id)
-        if until is None:
-            return False
-        if time.monotonic() >= until:
+        if until is not None:
+            if time.monotonic() < until:
+                return True
             del self._banned_until[peer_id]
-            return False
-        return True
+        return any(other.is_banned(peer_id) for other in self._followed)
 
     @property
     def banned(self) -> frozenset[PeerID]:
-        return frozenset(p for p in list(self._banned_until) if self.is_banned(p))
+        """Peers banned by our own evidence (not those of logs we follow)."""
+        now = time.monotonic()
+        return frozenset(p for p, until in list(self._banned_until.items()) if now < until)
 
     def as_metrics(self) -> dict[str, dict[str, int | bool]]:
         """Counts per peer (as text), for the monitor: {peer: {clipped_rounds, ...}}."""

@@ -74,6 +74,7 @@ from typing import Any
 import torch
 
 from swarmgrad.averaging.averager import DecentralizedAverager
+from swarmgrad.averaging.offenders import without_bans
 from swarmgrad.averaging.pacing import SendPacer
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
@@ -299,7 +300,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 status_loglevel=self.status_loglevel,
                 client_mode=self.client_mode,
                 start=True,
-                **averager_opts,
+                **without_bans(averager_opts),  # the fragments' averagers ban
             )
             masters = optimizer_parameters(self.state_averager.optimizer)
             sizes = [p.numel() for p in masters]

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from swarmgrad.averaging.allreduce import GroupMismatch
+from swarmgrad.averaging.offenders import without_bans
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.dht.dht import DHT
@@ -91,11 +92,13 @@ class Optimizer(torch.optim.Optimizer):
     ``auxiliary``, ``grad_compression``, ``grad_averager_factory``,
     ``state_averaging_compression``, ``load_state_compression``,
     ``average_opt_statistics``, ``extra_tensors``, ``averager_opts`` (more options for
-    both averagers, e.g. ``bandwidth``, ``target_group_size``), ``tracker_opts`` (for
-    the :class:`ProgressTracker`), ``performance_ema_alpha``, ``shutdown_timeout``,
-    ``verbose`` (log each epoch at INFO). Not in hivemind: ``outer_optimizer`` (a
-    factory over the synced copy) switches to DiLoCo mode and returns a
-    :class:`~.diloco.DiLoCoOptimizer` (``optimizer`` is then the inner optimizer, its
+    both averagers, e.g. ``bandwidth``, ``target_group_size``; ``ban_after`` and
+    ``ban_window`` only for the gradient averager when there is one, whose bans the
+    state averager follows, see :func:`~swarmgrad.averaging.offenders.without_bans`),
+    ``tracker_opts`` (for the :class:`ProgressTracker`), ``performance_ema_alpha``,
+    ``shutdown_timeout``, ``verbose`` (log each epoch at INFO). Not in hivemind:
+    ``outer_optimizer`` (a factory over the synced copy) switches to DiLoCo mode and
+    returns a :class:`~.diloco.DiLoCoOptimizer` (``optimizer`` is then the inner optimizer, its
     ``scheduler`` steps with it, and ``target_batch_size`` is the swarm's samples per
     outer step); ``diloco_opts`` carries its other options (``diloco_mode.py``).
     ``metrics`` (default True): publish this peer's metrics record for ``swarmgrad
@@ -245,6 +248,8 @@ class Optimizer(torch.optim.Optimizer):
         )
         try:
             averager_opts = dict(averager_opts or {})
+            # with a gradient averager, bans act there only (offenders.without_bans)
+            state_opts = averager_opts if use_local_updates else without_bans(averager_opts)
             self.state_averager = TrainingStateAverager(
                 dht=dht,
                 prefix=f"{run_id}_state_averager",
@@ -267,7 +272,7 @@ class Optimizer(torch.optim.Optimizer):
                 client_mode=client_mode,
                 auxiliary=auxiliary,
                 start=True,
-                **averager_opts,
+                **state_opts,
             )
             self.grad_averager: GradientAverager | None = None
             if not use_local_updates:
@@ -277,6 +282,8 @@ class Optimizer(torch.optim.Optimizer):
                     compression=grad_compression,
                     **averager_opts,
                 )
+                # a peer banned for its gradients does not pull our parameters either
+                self.state_averager.follow_bans_of(self.grad_averager)
         except BaseException:
             self.tracker.shutdown(timeout=1.0)
             if getattr(self, "state_averager", None) is not None:
