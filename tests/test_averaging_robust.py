@@ -104,6 +104,8 @@ def test_sorted_rows_and_the_median_match_torch(n, dim, seed):
     inputs[:, : dim // 3] = inputs[:, : dim // 3].round()  # ties too
     assert torch.equal(torch.stack(sorted_rows(inputs)), inputs.sort(dim=0).values)
     assert torch.equal(lower_median(inputs), inputs.median(dim=0).values)
+    wide = inputs.repeat(1, 1100 // dim + 1)  # past TORCH_MEDIAN_MAX_COLUMNS: the network
+    assert torch.equal(lower_median(wide), wide.median(dim=0).values)
 
 
 def centered_clip_by_definition(inputs, weights, tau, n_iters):

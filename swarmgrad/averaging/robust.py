@@ -102,8 +102,14 @@ def sorted_rows(inputs: torch.Tensor) -> list[torch.Tensor]:
     return [row for row in rows[:n] if row is not None]
 
 
+TORCH_MEDIAN_MAX_COLUMNS = 1024  # below, torch's median beats the network (15 vs 43 us)
+
+
 def lower_median(inputs: torch.Tensor) -> torch.Tensor:
-    """Coordinate-wise lower median of the rows (as ``inputs.median(dim=0)``)."""
+    """Coordinate-wise lower median of the rows (as ``inputs.median(dim=0)``, which it
+    is for short rows: there one call costs less than the network's few dozen)."""
+    if inputs.shape[1] <= TORCH_MEDIAN_MAX_COLUMNS:
+        return inputs.median(dim=0).values
     return sorted_rows(inputs)[(inputs.shape[0] - 1) // 2]
 
 
