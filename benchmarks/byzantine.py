@@ -37,7 +37,7 @@ experiments; ``BYZ_BAN_AFTER=N`` gives the robust runs ``ban_after=N`` instead (
 bans, CenteredClip alone). Each run reports the bans the honest peers hold at its end
 (``bans``: of liars, and of honest peers, which should stay 0). The robust rule's
 cost (``robust_overhead``) is the median wall time of an averaging round of the 8 peers
-with CenteredClip against the plain mean, attack-free, rounds interleaved (15 each), for
+with CenteredClip against the plain mean, attack-free, rounds interleaved (25 each), for
 the MLP's gradient; ``round_s`` also has a 1M-value tensor, where the rule's compute
 shows.
 ``admission_overhead`` comes from ``benchmarks/admission.py`` (one run). Last line: one
@@ -75,7 +75,7 @@ TAU = float(os.environ.get("BYZ_TAU", 0.02))  # per part; honest per-span gradie
 STEPS_PER_EPOCH = int(os.environ.get("BYZ_STEPS", 16))
 ROUND_SIZES = (2410, 1 << 20)  # the MLP's gradient, and a 4 MB tensor where the rule's
 # compute shows (CenteredClip: up to 20 passes over senders x part per part)
-ROUND_TRIALS = 15  # interleaved averaging rounds per rule for robust_overhead
+ROUND_TRIALS = 25  # interleaved rounds per rule for robust_overhead (15 gave 0.11-0.17)
 WORKER_MOMENTUM = float(os.environ.get("BYZ_WORKER_MOMENTUM", 0.9))  # robust runs only
 BAN_AFTER = int(os.environ.get("BYZ_BAN_AFTER", 5))  # robust runs: ban_after (0: no bans)
 ALL_ATTACKS = ("sign_flip", "scaled", "noise", "alie")
