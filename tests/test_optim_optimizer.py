@@ -793,5 +793,13 @@ def test_bans_act_on_the_gradient_averager_and_never_on_synced_parameters():
         try:
             assert all(ban_settings(f.averager) == (4, 6) for f in diloco.fragments)
             assert ban_settings(diloco.state_averager) == (None, 0)
+            # a peer banned by any fragment's averager is left out of re-averages too
+            liar = dhts[0].peer_id
+            state_log = diloco.state_averager._core.offenders
+            assert not state_log.is_banned(liar)
+            diloco.fragments[-1].averager._core.offenders._banned_until[liar] = (
+                time.monotonic() + 60
+            )
+            assert state_log.is_banned(liar)
         finally:
             diloco.shutdown()

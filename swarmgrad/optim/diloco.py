@@ -317,6 +317,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     **averager_opts,
                 )
                 self.fragments.append(_Fragment(index, members, averager))
+                # a re-average of the copies leaves out whoever a fragment's averager banned
+                self.state_averager.follow_bans_of(averager)
             if metrics:
                 options = dict(metrics) if isinstance(metrics, dict) else {}
                 self.metrics = MetricsPublisher(dht, run_id, self._collect_metrics, **options)
