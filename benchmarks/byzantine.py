@@ -40,8 +40,8 @@ cost (``robust_overhead``) is the median wall time of an averaging round of the 
 with CenteredClip against the plain mean, attack-free, rounds interleaved (25 each), for
 the MLP's gradient; ``round_s`` also has a 1M-value tensor, where the rule's compute
 shows.
-``admission_overhead`` comes from ``benchmarks/admission.py`` (one run). Last line: one
-JSON object.
+``admission_overhead`` comes from ``benchmarks/admission.py`` (its median of 5 runs, about
+15 s; single runs spread 0.075-0.102 today). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ def round_times(numel: int, trials: int = ROUND_TRIALS) -> dict[str, float]:
 
 def admission_overhead() -> float | None:
     done = subprocess.run(
-        [sys.executable, str(HERE / "admission.py"), "--runs", "1"],
+        [sys.executable, str(HERE / "admission.py"), "--runs", "5"],
         capture_output=True,
         text=True,
         timeout=300,
