@@ -41,7 +41,7 @@ with CenteredClip against the plain mean, attack-free, rounds interleaved (25 ea
 the MLP's gradient; ``round_s`` also has a 1M-value tensor, where the rule's compute
 shows.
 ``admission_overhead`` comes from ``benchmarks/admission.py`` (its median of 5 runs, about
-15 s; single runs spread 0.075-0.102 today). Last line: one JSON object.
+15 s; single runs spread 0.066-0.102 today). Last line: one JSON object.
 """
 
 from __future__ import annotations
