@@ -1,8 +1,16 @@
-"""Two loopback peers with an ``echo`` handler, for transport tests."""
+"""Two loopback peers with an ``echo`` handler, for transport tests; numbered PeerIDs."""
 
 from __future__ import annotations
 
+import hashlib
+
+from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
+
+
+def numbered_peer_id(i: int) -> PeerID:
+    """A distinct, valid (sha2-256 multihash) PeerID for each integer, no key needed."""
+    return PeerID(b"\x12\x20" + hashlib.sha256(i.to_bytes(8, "big")).digest())
 
 
 async def echo(request, context):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from peer_helpers import numbered_peer_id
 from test_averaging_averager import simulate, start_swarm, stop
 
 from swarmgrad.averaging.robust import (
@@ -384,14 +385,6 @@ def test_the_facade_takes_the_rule_and_the_ban_and_refuses_bad_values_by_name():
         dht.shutdown()
 
 
-def _peer(i: int):
-    import hashlib
-
-    from swarmgrad.net.identity import PeerID
-
-    return PeerID(b"\x12\x20" + hashlib.sha256(i.to_bytes(8, "big")).digest())
-
-
 def _round(contributors, limited=(), bad=()):
     from swarmgrad.averaging.allreduce import AllReduceResult
 
@@ -409,7 +402,7 @@ def _round(contributors, limited=(), bad=()):
 def test_bans_count_offences_among_recent_rounds_not_a_running_total(caplog):
     from swarmgrad.averaging.offenders import OffenderLog
 
-    straggler, liar, bad_owner = _peer(1), _peer(2), _peer(3)
+    straggler, liar, bad_owner = numbered_peer_id(1), numbered_peer_id(2), numbered_peer_id(3)
     log = OffenderLog(ban_after=3, ban_duration=60, owner="test", ban_window=6)
     with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.offenders"):
         for i in range(40):  # the straggler stands out once in every 4 rounds: 10 in all
@@ -435,7 +428,7 @@ def test_bans_count_offences_among_recent_rounds_not_a_running_total(caplog):
 def test_without_bans_counts_are_kept_and_nobody_is_banned():
     from swarmgrad.averaging.offenders import OffenderLog
 
-    liar = _peer(2)
+    liar = numbered_peer_id(2)
     log = OffenderLog(ban_after=None, ban_duration=60, owner="test")
     for _ in range(50):
         log.record(_round([liar], limited=[liar]))
@@ -446,7 +439,7 @@ def test_without_bans_counts_are_kept_and_nobody_is_banned():
 def test_a_log_follows_another_logs_bans_until_they_expire():
     from swarmgrad.averaging.offenders import OffenderLog
 
-    liar = _peer(2)
+    liar = numbered_peer_id(2)
     grads = OffenderLog(ban_after=1, ban_duration=0.05, owner="grads")
     state = OffenderLog(ban_after=None, ban_duration=60, owner="state")
     state.follow(grads)

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from peer_helpers import numbered_peer_id
 
 from swarmgrad.dht.routing import DHTID, KBucket, RoutingTable
 from swarmgrad.net.identity import PeerID
@@ -28,10 +29,7 @@ ID_LIMIT = 2**160
 HALF = 2**159
 
 
-def peer(i: int) -> PeerID:
-    """A distinct, valid (sha2-256 multihash) PeerID for each integer."""
-    return PeerID(b"\x12\x20" + hashlib.sha256(i.to_bytes(8, "big")).digest())
-
+peer = numbered_peer_id
 
 PEERS = [peer(i) for i in range(3)]
 

@@ -5,17 +5,16 @@ that expires soonest. A model of the rules, written without heaps, checks random
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from peer_helpers import numbered_peer_id
 
 from swarmgrad.dht.routing import DHTID
 from swarmgrad.dht.storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration
-from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import StorageLimitExceeded, SwarmgradError, ValidationError
 
 DETERMINISTIC = settings(
@@ -27,9 +26,7 @@ DETERMINISTIC = settings(
 )
 
 
-def peer(i: int) -> PeerID:
-    return PeerID(b"\x12\x20" + hashlib.sha256(i.to_bytes(8, "big")).digest())
-
+peer = numbered_peer_id
 
 PEERS = [peer(i) for i in range(3)]
 KEY, OTHER = DHTID.generate(b"key"), DHTID.generate(b"other")
