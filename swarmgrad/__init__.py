@@ -95,4 +95,6 @@ __all__ = [
     "ValidationError",
     "__version__",
     "get_dht_time",
+    # ``from swarmgrad import *`` brings these in too, importing their packages then
+    *_LAZY,
 ]
