@@ -3,14 +3,31 @@ that is neither rushed nor stalled by a peer publishing absurd progress."""
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import threading
 import time
 
 import pytest
-from optim_helpers import RUN, Trainer, dht_swarm, make_model, make_optimizer, start_together
+from optim_helpers import (
+    RUN,
+    Trainer,
+    dht_swarm,
+    make_model,
+    make_optimizer,
+    start_together,
+    wait_until,
+)
 
 from swarmgrad.dht import DHT
-from swarmgrad.dht.crypto import Ed25519SignatureValidator
+from swarmgrad.dht.crypto import (
+    SIGNATURE_MARKER_PREFIX,
+    SIGNATURE_SUFFIX_LENGTH,
+    Ed25519SignatureValidator,
+    record_signing_payload,
+)
+from swarmgrad.dht.protocol import StoreItem
+from swarmgrad.dht.validation import DHTRecord, serialize
 from swarmgrad.optim import ProgressTracker
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
@@ -302,3 +319,119 @@ def test_a_steady_peer_publishes_rarely_a_change_of_pace_and_a_new_epoch_at_once
             node.store = original
             for t in (tracker, other):
                 t.shutdown(timeout=5)
+
+
+def capture_signed_stores(dht: DHT, key: str) -> list[tuple[dict, StoreItem]]:
+    """Every signed item ``dht`` sends under ``key`` (with the value it signed): what an
+    eavesdropper on the wire, or a replica, sees and could store again later."""
+    sent: list[tuple[dict, StoreItem]] = []
+    original = dht.node._make_item
+
+    def capturing(k, value, expiration_time, subkey):
+        item = original(k, value, expiration_time, subkey)
+        if k == key and isinstance(value, dict):
+            sent.append((value, item))
+        return item
+
+    dht.node._make_item = capturing
+    return sent
+
+
+def read(tracker: ProgressTracker, key: bytes) -> tuple[int, int] | None:
+    """(epoch, samples) of the record under ``key`` in a fresh read of the swarm."""
+    tracker.refresh(timeout=5)
+    record = tracker._last_records.get(key)
+    return None if record is None else (record.epoch, record.samples_accumulated)
+
+
+def store_raw_everywhere(sender: DHT, item: StoreItem, dhts: list[DHT]) -> list[str | None]:
+    """Send ``item`` as it is (no signing) to every node of the swarm; their answers
+    (None: stored, else why not)."""
+
+    async def send(_dht, node):
+        answers = []
+        for target in dhts:
+            if target is sender:
+                answers.append(node._store_locally(item, node.peer_id))
+            else:
+                answers += await node._store_remote(target.peer_id, [item])
+        return answers
+
+    return sender.run_coroutine(send)
+
+
+def test_a_replayed_older_record_replaces_neither_the_newer_one_nor_the_progress():
+    """The victim's record of epoch 0 (validly signed, captured when it was sent) is
+    stored again on every node after its record of epoch 1: each node refuses it (a
+    record with a later expiration is stored), and the swarm still reads epoch 1."""
+    with dht_swarm(2) as dhts:
+        sent = capture_signed_stores(dhts[0], f"{RUN}_progress")
+        victim = ProgressTracker(dhts[0], RUN, target_batch_size=100, start=True)
+        observer = ProgressTracker(dhts[1], RUN, target_batch_size=100, start=True)
+        victim_key = victim._local_public_key
+        try:
+            victim.report_local_progress(0, 30)
+            wait_until(lambda: read(observer, victim_key) == (0, 30), 20, "the epoch-0 record")
+            old = next(item for value, item in sent if value["samples_accumulated"] == 30)
+            with victim.pause_updates():
+                victim.update_epoch(1)
+            wait_until(lambda: read(observer, victim_key) == (1, 0), 20, "the epoch-1 record")
+            newer = observer._last_records[victim_key]
+            assert observer.global_epoch == 1
+
+            answers = store_raw_everywhere(dhts[1], old, dhts)
+            assert answers == ["a record with a later expiration is already stored"] * 2
+
+            progress = observer.refresh(timeout=5)
+            assert observer._last_records[victim_key] == newer
+            assert (progress.epoch, progress.num_peers) == (1, 2)
+            stored = dhts[1].get(f"{RUN}_progress", latest=True).value[victim_key]
+            assert stored.value["epoch"] == 1
+        finally:
+            observer.shutdown(timeout=5)
+            victim.shutdown(timeout=5)
+
+
+def test_a_record_signed_by_one_peer_under_anothers_subkey_is_refused():
+    """A peer's own validly signed record, moved under another peer's subkey, and a record
+    it signs itself for that subkey: every node refuses both (the signature must verify
+    with the key the subkey names), and the other peer's record is unchanged."""
+    with dht_swarm(2) as dhts:
+        sent = capture_signed_stores(dhts[0], f"{RUN}_progress")
+        forger = ProgressTracker(dhts[0], RUN, target_batch_size=100, start=True)
+        victim = ProgressTracker(dhts[1], RUN, target_batch_size=100, start=True)
+        victim_key = victim._local_public_key
+        victim_subkey = serialize(victim_key)
+        try:
+            victim.report_local_progress(0, 10)
+            forger.report_local_progress(0, 90)
+            expected = {forger._local_public_key: (0, 90), victim_key: (0, 10)}
+
+            def both_read() -> bool:
+                return all(
+                    read(tracker, key) == record
+                    for tracker in (forger, victim)
+                    for key, record in expected.items()
+                )
+
+            wait_until(both_read, 20, "both records")
+            own = next(item for value, item in sent if value["samples_accumulated"] == 90)
+            moved = dataclasses.replace(own, subkey=victim_subkey)
+
+            unsigned = own.value[:-SIGNATURE_SUFFIX_LENGTH]
+            payload = record_signing_payload(
+                DHTRecord(own.key, victim_subkey, unsigned, own.expiration_time)
+            )
+            signature = base64.b64encode(dhts[0].peer.identity.sign(payload))
+            resigned = dataclasses.replace(
+                moved, value=unsigned + SIGNATURE_MARKER_PREFIX + signature + b"]"
+            )
+            for forged in (moved, resigned):
+                answers = store_raw_everywhere(dhts[0], forged, dhts)
+                assert answers == ["the record failed validation"] * 2
+
+            for tracker in (forger, victim):
+                assert read(tracker, victim_key) == (0, 10)
+        finally:
+            victim.shutdown(timeout=5)
+            forger.shutdown(timeout=5)
