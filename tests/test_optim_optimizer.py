@@ -373,31 +373,54 @@ def test_a_round_whose_last_partner_left_proceeds_alone_without_waiting_out_the_
             shutdown_all(*opts)
 
 
-def test_nan_gradients_of_one_peer_are_left_out_of_the_average(caplog):
+def sgd_step_on_mean_loss(batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float = 0.05):
+    """The parameters of make_model(0) after one SGD step on the mean loss over every
+    sample of ``batches``, and that gradient (what synchronous large-batch training does)."""
+    reference = make_model(0)
+    xs = torch.cat([x for x, _ in batches])
+    ys = torch.cat([y for _, y in batches])
+    torch.nn.functional.mse_loss(reference(xs), ys).backward()
+    grads = [p.grad.clone() for p in reference.parameters()]
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= lr * p.grad
+    return snapshot(reference), grads
+
+
+def epoch_batches(trainer: Trainer, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x, y) for e, x, y in trainer.batches if e == epoch]
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_gradients_of_one_peer_are_left_out_of_the_average(bad_value):
+    """Peer 2's gradients are all NaN (or Inf). The honest peers' first update is one SGD
+    step on the mean gradient of their own samples only: the bad peer was left out, and
+    the round did average the two honest peers (each alone would step elsewhere)."""
     with dht_swarm(3) as dhts:
         models = [make_model(0) for _ in range(3)]
         opts = [
             make_optimizer(d, m, target_batch_size=48) for d, m in zip(dhts, models, strict=True)
         ]
-
-        def poison(trainer: Trainer) -> None:
-            pass
-
         try:
+            for param in models[2].parameters():
+                param.register_hook(lambda grad: torch.full_like(grad, bad_value))
             trainers = [
-                Trainer(o, m, seed=i, until_epoch=2)
+                Trainer(o, m, seed=i, until_epoch=2, pause=0.05)
                 for i, (o, m) in enumerate(zip(opts, models, strict=True))
             ]
-            bad = models[2]
-            original_forward = bad.forward
-
-            def nan_forward(x):
-                return original_forward(x) * float("nan")
-
-            bad.forward = nan_forward
             start_together(trainers)
             for t in trainers:
                 t.result()
+            # the bad peer was in the honest peers' last round, and each left its parts out
+            for opt in opts[:2]:
+                assert dhts[2].peer_id in opt.grad_averager.last_result.excluded_senders
+            honest = [epoch_batches(t, 0) for t in trainers[:2]]
+            assert all(honest), "both honest peers computed gradients in epoch 0"
+            together, _ = sgd_step_on_mean_loss(honest[0] + honest[1])
+            for t in trainers[:2]:
+                assert max_difference(t.params_at_epoch[1], together) < 1e-5
+            for alone in honest:  # the test would notice a peer that stepped alone
+                assert max_difference(sgd_step_on_mean_loss(alone)[0], together) > 1e-4
             for model in models[:2]:
                 assert all(torch.isfinite(p).all() for p in model.parameters())
             assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
@@ -427,6 +450,51 @@ def test_peer_with_other_parameter_shapes_is_refused_naming_the_tensor():
                 odd.result()
             for t in trainers:
                 t.result()
+        finally:
+            shutdown_all(*opts, *([odd_opt] if odd_opt else []))
+
+
+class _DoubleHead(torch.nn.Module):
+    """make_model(0)'s layers, the last one in float64 (parameters 2 and 3)."""
+
+    def __init__(self):
+        super().__init__()
+        first, _, last = make_model(0)
+        self.first, self.last = first, last.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.first(x)).double()).float()
+
+
+def test_peer_with_another_parameter_dtype_is_refused_naming_the_tensor():
+    """A peer whose last layer is float64 where the run's is float32 (same shapes) gets an
+    error naming the first differing tensor and both dtypes, instead of training alone."""
+    with dht_swarm(3) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [make_optimizer(d, m) for d, m in zip(dhts[:2], models, strict=True)]
+        odd_opt = None
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=3)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            wait_until(lambda: opts[0].local_epoch >= 1, 60, "epoch 1")
+            odd_model = _DoubleHead()
+            assert [p.shape for p in odd_model.parameters()] == [
+                p.shape for p in models[0].parameters()
+            ]
+            odd_opt = make_optimizer(dhts[2], odd_model)
+            odd = Trainer(odd_opt, odd_model, seed=3, until_epoch=3)
+            odd.start()
+            with pytest.raises(
+                (ValidationError, GroupMismatch), match=r"(parameter|tensor) 2 is"
+            ) as refused:
+                odd.result()
+            assert "float32" in str(refused.value) and "float64" in str(refused.value)
+            for t in trainers:
+                t.result()
+            assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
         finally:
             shutdown_all(*opts, *([odd_opt] if odd_opt else []))
 
@@ -803,3 +871,163 @@ def test_bans_act_on_the_gradient_averager_and_never_on_synced_parameters():
             assert state_log.is_banned(liar)
         finally:
             diloco.shutdown()
+
+
+def record_state_rounds(opt: Optimizer, before=None) -> list[tuple[int, bool, object]]:
+    """Wrap the state averager's rounds: each appends (epoch, whether it averaged with a
+    group, ``before()`` called just before the round copies the state)."""
+    averager = opt.state_averager
+    original = averager._averaging_round
+    rounds = []
+
+    def recording(control, options):
+        seen = before() if before is not None else None
+        apply = original(control, options)
+        rounds.append((averager.local_epoch, apply is not None, seen))
+        return apply
+
+    averager._averaging_round = recording
+    return rounds
+
+
+def test_state_is_averaged_only_every_average_state_every_epochs():
+    """With ``average_state_every=2`` the state rounds run at epochs 2 and 4 only. Each
+    peer updates a statistics tensor (like batch-norm's) from its own data, so the peers'
+    states differ at every epoch and no round is skipped as one that would change
+    nothing."""
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        stats = [torch.zeros(2), torch.zeros(2)]
+        opts = [
+            make_optimizer(
+                d, m, average_state_every=2, delay_state_averaging=False, extra_tensors=[s]
+            )
+            for d, m, s in zip(dhts, models, stats, strict=True)
+        ]
+        rounds = [record_state_rounds(o) for o in opts]
+
+        def update_stats(trainer: Trainer) -> None:
+            _, _, y = trainer.batches[-1]
+            with trainer.opt.state_averager.state_lock():
+                trainer.opt.state_averager.extra_tensors[0].add_(y.mean(dim=0))
+
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=4, on_step=update_stats)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            for recorded in rounds:
+                assert [(epoch, averaged) for epoch, averaged, _ in recorded] == [
+                    (2, True),
+                    (4, True),
+                ]
+        finally:
+            shutdown_all(*opts)
+
+
+def test_offloaded_master_copy_receives_the_sample_weighted_average_gradient():
+    """With ``offload_optimizer=True`` the optimizer steps on a CPU master copy whose
+    ``.grad`` receives the averaged gradient: at the first step it is the mean gradient
+    over every sample both peers computed in epoch 0, weighted by samples (the peers use
+    batches of 8 and 4), and the model gets the master copy's updated values."""
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [
+            make_optimizer(d, m, offload_optimizer=True, target_batch_size=48)
+            for d, m in zip(dhts, models, strict=True)
+        ]
+        master_grads: list[list[list[torch.Tensor]]] = [[], []]
+        for opt, seen in zip(opts, master_grads, strict=True):
+            masters = opt.opt.param_groups[0]["params"]
+            assert all(
+                m is not p for m, p in zip(masters, opt.param_groups[0]["params"], strict=True)
+            )
+            original_step = opt.opt.step
+
+            def recording_step(*args, _step=original_step, _masters=masters, _seen=seen, **kw):
+                _seen.append([p.grad.clone() for p in _masters])
+                return _step(*args, **kw)
+
+            opt.opt.step = recording_step
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=1, pause=0.05, batch_size=8 // (i + 1))
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            assert opts[0].grad_averager.last_result is not None
+            batches = [epoch_batches(t, 0) for t in trainers]
+            after_step, mean_grad = sgd_step_on_mean_loss(batches[0] + batches[1])
+            for seen, trainer, model, opt in zip(master_grads, trainers, models, opts, strict=True):
+                assert len(seen) == 1
+                for got, want in zip(seen[0], mean_grad, strict=True):
+                    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+                assert max_difference(trainer.params_at_epoch[1], after_step) < 1e-5
+                assert max_difference(snapshot(model), opt.opt.param_groups[0]["params"]) == 0
+            # weighting by peers instead of samples would give another gradient
+            per_peer = [sgd_step_on_mean_loss(b)[1] for b in batches]
+            unweighted = [(a + b) / 2 for a, b in zip(*per_peer, strict=True)]
+            assert max_difference(unweighted, mean_grad) > 1e-4
+        finally:
+            shutdown_all(*opts)
+
+
+def test_average_opt_statistics_averages_those_optimizer_statistics_only():
+    """Two peers with local updates and Adam, ``average_opt_statistics=("exp_avg_sq",)``:
+    after the state round at epoch 1 both hold the mean of their exp_avg_sq from just
+    before it, while exp_avg (not listed) stays each peer's own."""
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(0)]
+        opts = [
+            make_optimizer(
+                d,
+                m,
+                optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
+                use_local_updates=True,
+                delay_state_averaging=False,
+                average_opt_statistics=("exp_avg_sq",),
+            )
+            for d, m in zip(dhts, models, strict=True)
+        ]
+
+        def statistics(opt: Optimizer) -> dict[str, list[torch.Tensor]]:
+            with opt.state_averager.state_lock():
+                params = opt.opt.param_groups[0]["params"]
+                return {
+                    name: [opt.opt.state[p][name].clone() for p in params]
+                    for name in ("exp_avg", "exp_avg_sq")
+                }
+
+        rounds = [record_state_rounds(o, before=lambda o=o: statistics(o)) for o in opts]
+        try:
+            trainers = [
+                Trainer(o, m, seed=i, until_epoch=1)
+                for i, (o, m) in enumerate(zip(opts, models, strict=True))
+            ]
+            start_together(trainers)
+            for t in trainers:
+                t.result()
+            assert [[(e, ok) for e, ok, _ in r] for r in rounds] == [[(1, True)]] * 2
+            before = [r[0][2] for r in rounds]
+            after = [statistics(o) for o in opts]
+
+            def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+                pairs = zip(a, b, strict=True)
+                return all(torch.allclose(x, y, rtol=1e-5, atol=0) for x, y in pairs)
+
+            # different data, so different statistics: their mean is news to both
+            assert not same(before[0]["exp_avg_sq"], before[1]["exp_avg_sq"])
+            mean = [(a + b) / 2 for a, b in zip(*(s["exp_avg_sq"] for s in before), strict=True)]
+            for got in after:
+                assert same(got["exp_avg_sq"], mean)
+            for got, had in zip(after, before, strict=True):
+                assert max_difference(got["exp_avg"], had["exp_avg"]) == 0
+            assert not same(after[0]["exp_avg"], after[1]["exp_avg"])
+            assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
+        finally:
+            shutdown_all(*opts)
