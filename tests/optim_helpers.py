@@ -143,6 +143,19 @@ def start_together(trainers: list[Trainer], timeout: float = 30.0) -> None:
         trainer.start()
 
 
+def train_together(opts: list[Optimizer], models: list[torch.nn.Module], until_epoch: int):
+    """Train peer i (``opts[i]`` on ``models[i]``, data seed i) until ``until_epoch``,
+    all started together; returns the finished trainers (raising a trainer's error)."""
+    trainers = [
+        Trainer(o, m, seed=i, until_epoch=until_epoch)
+        for i, (o, m) in enumerate(zip(opts, models, strict=True))
+    ]
+    start_together(trainers)
+    for trainer in trainers:
+        trainer.result()
+    return trainers
+
+
 def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 

@@ -23,6 +23,7 @@ from tests.optim_helpers import (
     max_difference,
     snapshot,
     start_together,
+    train_together,
     wait_until,
 )
 
@@ -39,13 +40,7 @@ def test_two_peers_average_gradients_and_stay_identical():
         models = [make_model(0), make_model(0)]
         opts = [make_optimizer(d, m) for d, m in zip(dhts, models, strict=True)]
         try:
-            trainers = [
-                Trainer(o, m, seed=i, until_epoch=3)
-                for i, (o, m) in enumerate(zip(opts, models, strict=True))
-            ]
-            start_together(trainers)
-            for t in trainers:
-                t.result()
+            train_together(opts, models, until_epoch=3)
             assert all(o.local_epoch >= 3 for o in opts)
             # both peers applied the same averaged gradient at each epoch
             assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
@@ -154,13 +149,7 @@ def test_local_updates_mode_averages_parameters_each_epoch():
         try:
             assert opts[0].use_local_updates and opts[0].grad_averager is None
             before = snapshot(models[0])
-            trainers = [
-                Trainer(o, m, seed=i, until_epoch=3)
-                for i, (o, m) in enumerate(zip(opts, models, strict=True))
-            ]
-            start_together(trainers)
-            for t in trainers:
-                t.result()
+            train_together(opts, models, until_epoch=3)
             assert max_difference(before, snapshot(models[0])) > 0
             # different initial weights were pulled together by parameter averaging
             initial_gap = max_difference(snapshot(make_model(0)), snapshot(make_model(1)))
@@ -178,13 +167,7 @@ def test_delayed_updates_overlap_and_keep_peers_identical():
         ]
         try:
             assert opts[0].offload_optimizer
-            trainers = [
-                Trainer(o, m, seed=i, until_epoch=4)
-                for i, (o, m) in enumerate(zip(opts, models, strict=True))
-            ]
-            start_together(trainers)
-            for t in trainers:
-                t.result()
+            train_together(opts, models, until_epoch=4)
             for o in opts:
                 o.state_averager.step(wait_for_delayed_updates=True)
             assert max_difference(snapshot(models[0]), snapshot(make_model(0))) > 0
@@ -203,13 +186,7 @@ def test_scheduler_steps_once_per_global_epoch():
             for d, m in zip(dhts, models, strict=True)
         ]
         try:
-            trainers = [
-                Trainer(o, m, seed=i, until_epoch=3)
-                for i, (o, m) in enumerate(zip(opts, models, strict=True))
-            ]
-            start_together(trainers)
-            for t in trainers:
-                t.result()
+            train_together(opts, models, until_epoch=3)
             for o in opts:
                 assert o.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**o.local_epoch)
         finally:
@@ -228,13 +205,7 @@ def test_client_mode_is_honoured_and_client_trains_with_the_swarm():
             assert opts[2].client_mode and opts[2].tracker.client_mode
             assert opts[2].grad_averager.mode is AveragingMode.CLIENT
             assert opts[2].state_averager.mode is AveragingMode.CLIENT
-            trainers = [
-                Trainer(o, m, seed=i, until_epoch=3)
-                for i, (o, m) in enumerate(zip(opts, models, strict=True))
-            ]
-            start_together(trainers)
-            for t in trainers:
-                t.result()
+            train_together(opts, models, until_epoch=3)
             assert max_difference(snapshot(models[2]), snapshot(models[0])) < 1e-6
             assert opts[0].tracker.global_progress.num_clients == 1
         finally:
@@ -600,13 +571,7 @@ def test_grad_averager_factory_builds_the_gradient_averager():
         ]
         try:
             assert all(isinstance(o.grad_averager, CountingAverager) for o in opts)
-            trainers = [
-                Trainer(o, m, seed=i, until_epoch=2)
-                for i, (o, m) in enumerate(zip(opts, models, strict=True))
-            ]
-            start_together(trainers)
-            for t in trainers:
-                t.result()
+            train_together(opts, models, until_epoch=2)
             assert made and max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
         finally:
             shutdown_all(*opts)
@@ -733,13 +698,7 @@ def test_a_state_round_runs_only_when_the_peers_states_differ(same_start):
                 opts[1].state_averager.state_digest()
             )
             assert equal_digests == same_start
-            trainers = [
-                Trainer(o, m, seed=i, until_epoch=3)
-                for i, (o, m) in enumerate(zip(opts, models, strict=True))
-            ]
-            start_together(trainers)
-            for t in trainers:
-                t.result()
+            train_together(opts, models, until_epoch=3)
             rounds = [o.state_averager.finished_averaging_round.is_set() for o in opts]
             assert rounds == [not same_start] * 2
             assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
@@ -758,13 +717,7 @@ def test_states_count_as_equal_only_after_a_whole_round_with_fresh_digests():
         models = [make_model(0), make_model(0)]
         opts = [make_optimizer(d, m) for d, m in zip(dhts, models, strict=True)]
         try:
-            trainers = [
-                Trainer(o, m, seed=i, until_epoch=1)
-                for i, (o, m) in enumerate(zip(opts, models, strict=True))
-            ]
-            start_together(trainers)
-            for t in trainers:
-                t.result()
+            train_together(opts, models, until_epoch=1)
             opt = opts[0]
             result = opt.grad_averager.last_result
             assert result is not None and result.fully_averaged
@@ -989,13 +942,7 @@ def test_average_opt_statistics_averages_those_optimizer_statistics_only():
 
         rounds = [record_state_rounds(o, before=lambda o=o: statistics(o)) for o in opts]
         try:
-            trainers = [
-                Trainer(o, m, seed=i, until_epoch=1)
-                for i, (o, m) in enumerate(zip(opts, models, strict=True))
-            ]
-            start_together(trainers)
-            for t in trainers:
-                t.result()
+            train_together(opts, models, until_epoch=1)
             assert [[(e, ok) for e, ok, _ in r] for r in rounds] == [[(1, True)]] * 2
             before = [r[0][2] for r in rounds]
             after = [statistics(o) for o in opts]

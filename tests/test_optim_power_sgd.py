@@ -30,14 +30,13 @@ from swarmgrad.optim.power_sgd_averager import (
 )
 from swarmgrad.utils.errors import ValidationError
 from tests.optim_helpers import (
-    Trainer,
     batch,
     dht_swarm,
     make_model,
     make_optimizer,
     max_difference,
     snapshot,
-    start_together,
+    train_together,
 )
 
 PREFIX = "powersgd"
@@ -644,13 +643,7 @@ def test_two_peers_train_a_model_with_the_optimizer_and_powersgd():
             assert isinstance(averager, PowerSGDGradientAverager)
             assert averager.power_sgd.compressed == (0,)  # the 16 x 8 weight, at rank 2
             before = loss(models[0])
-            trainers = [
-                Trainer(o, m, seed=i, until_epoch=5)
-                for i, (o, m) in enumerate(zip(opts, models, strict=True))
-            ]
-            start_together(trainers)
-            for t in trainers:
-                t.result()
+            train_together(opts, models, until_epoch=5)
             assert averager.last_result is not None
             # both applied the same factorised average at each epoch
             assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-5
