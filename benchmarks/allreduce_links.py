@@ -35,8 +35,10 @@ the first repetition, for profiling ours), ``ARL_MIXED_MIN_TIMEOUT`` (30: the
 shortest wait for a stalled peer in the mixed-rate rounds; with the library's 5 s, a
 20 Mbit/s member whose whole connection went silent for 5 s was excluded from an
 equal-span round), ``ARL_LOG_DIR`` (the workers' stderr), ``LAB_CC`` (the namespaces'
-TCP congestion control, ``cubic``; see ``_star_lab.py``). Prints a table, the ratio per
-target, and last one JSON line.
+TCP congestion control, ``cubic``; see ``_star_lab.py``), ``ARL_PLOT`` (where the PNG
+goes, ``docs/allreduce_links.png``; empty: no plot; needs matplotlib, the bench extra),
+``ARL_PLOT_FROM`` (a file holding the JSON line of an earlier run: draw its plot, run
+nothing). Prints a table, the ratio per target, and last one JSON line.
 """
 
 from __future__ import annotations
@@ -490,6 +492,70 @@ def targets(results: dict, plan: dict) -> list[dict]:
     return rows
 
 
+DEFAULT_PLOT = REPO / "docs" / "allreduce_links.png"
+_PLOT_KINDS = (
+    ("gloo", "gloo (ring)"),
+    ("none", "ours"),
+    ("float16", "ours, float16"),
+    ("uniform_8bit", "ours, 8-bit"),
+)
+
+
+def plot(summary: dict, path: Path) -> bool:
+    """Round times over the bound per setting (bars; 1 = the link's limit for 32-bit
+    values), and the mixed-rate rounds in seconds; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (the bench extra): no plot", file=sys.stderr)
+        return False
+    settings, mixed = summary["settings"], summary.get("mixed")
+    fig, axes = plt.subplots(
+        1, 2 if mixed else 1, figsize=(10, 4.2) if mixed else (6.4, 4.2), squeeze=False,
+        gridspec_kw={"width_ratios": [3, 1]} if mixed else None,
+    )  # fmt: skip
+    ax = axes[0][0]
+    kinds = [(k, label) for k, label in _PLOT_KINDS if any(k in s for s in settings)]
+    width = 0.8 / max(1, len(kinds))
+    for i, (kind, label) in enumerate(kinds):
+        xs = [n + (i - (len(kinds) - 1) / 2) * width for n in range(len(settings))]
+        ys = [s[kind]["median_s"] / s["bound_s"] if kind in s else 0.0 for s in settings]
+        ax.bar(xs, ys, width, label=label)
+    for level, style in ((1.0, "--"), (0.5, ":"), (0.25, ":")):  # 32, 16 and 8 bits
+        ax.axhline(level, color="black", linewidth=0.8, linestyle=style)
+    ax.set_ylim(0, 1.55)
+    ax.set_xticks(range(len(settings)))
+    ax.set_xticklabels([f"{s['peers']} peers\n{s['rate']}" for s in settings])
+    ax.set_ylabel("round time / bound for 32-bit values\n(dotted: for 16 and 8 bits)")
+    ax.set_title(f"16M float32 per peer, {summary['network']} network; medians", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=4, loc="upper center")
+    if mixed:
+        ax = axes[0][1]
+        names = [k for k in ("gloo", "equal", "balanced") if k in mixed]
+        ax.bar(names, [mixed[k]["median_s"] for k in names], color=["C0", "C1", "C2"])
+        ax.set_ylabel("round time, s")
+        counts: dict[str, int] = {}
+        for rate in mixed["rates"]:
+            counts[rate] = counts.get(rate, 0) + 1
+        ax.set_title("mixed: " + ", ".join(f"{n} x {r}" for r, n in counts.items()), fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_if_asked(summary: dict) -> None:
+    target = os.environ.get("ARL_PLOT", str(DEFAULT_PLOT))
+    if target and plot(summary, Path(target)):
+        print(f"plot: {target}", flush=True)
+
+
 def _target(name: str, value: float, limit: float, least: bool = False) -> dict:
     met = value >= limit if least else value <= limit
     return {"target": name, "value": round(value, 3), "limit": limit, "at_least": least, "met": met}
@@ -500,6 +566,10 @@ def main() -> None:
 
     # SIGTERM (a timeout, CI) ends through the finally blocks: peers stopped, namespaces gone
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if os.environ.get("ARL_PLOT_FROM"):
+        lines = Path(os.environ["ARL_PLOT_FROM"]).read_text().strip().splitlines()
+        _plot_if_asked(json.loads(lines[-1]))
+        return
     mixed_env = os.environ.get("ARL_MIXED", "1")
     plan = {
         "peers": [int(p) for p in _env_list("ARL_PEERS", "4,8")] if mixed_env != "only" else [],
@@ -560,6 +630,7 @@ def main() -> None:
         "mixed": results["mixed"],
         "targets": rows,
     }
+    _plot_if_asked(summary)
     print(json.dumps(summary))
 
 

@@ -37,7 +37,7 @@ DEADLINE = 20.0
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ARL_PLOT="")  # never over docs/
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
@@ -227,3 +227,28 @@ def test_a_link_that_drops_mid_round_leaves_whole_averages_within_the_deadline(
         assert set(victim_span) <= {"own", "all"}, victim_span
         own_spans = [i for i, kinds in enumerate(report["parts"]) if set(kinds) == {"own"}]
         assert set(own_spans) <= {VICTIM}, own_spans
+
+
+def test_a_saved_run_is_drawn_without_running_anything(tmp_path):
+    """``ARL_PLOT_FROM``: the plot of an earlier run's JSON line (how docs' PNG is made);
+    nothing is run, so no lab is needed."""
+    setting = {"peers": 4, "rate": "100mbit", "bound_s": 7.68}
+    for kind, seconds in (("gloo", 8.2), ("none", 8.3), ("float16", 4.1), ("uniform_8bit", 2.1)):
+        setting[kind] = {"median_s": seconds}
+    mixed = {"rates": ["1gbit", "20mbit"], "gloo": {"median_s": 46.0}}
+    mixed.update(equal={"median_s": 64.0}, balanced={"median_s": 32.0})
+    saved = tmp_path / "run.log"
+    summary = {"network": "lab", "settings": [setting], "mixed": mixed}
+    saved.write_text("table lines\n" + json.dumps(summary) + "\n")
+    picture = tmp_path / "links.png"
+    env = dict(_env(), ARL_PLOT_FROM=str(saved), ARL_PLOT=str(picture))
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "allreduce_links.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"plot: {picture}" in done.stdout
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
