@@ -43,7 +43,10 @@ run in plain client mode on their own shaped hosts (``nat`` false, reason printe
 Small configurations for tests come from environment variables: ``DEDLOC_PEERS``
 (``sleep:rate[:client],...``, e.g. ``0.02:100mbit,0.03:20mbit,0.03:50mbit:client``),
 ``DEDLOC_HIDDEN``, ``DEDLOC_EPOCHS``, ``DEDLOC_REPEATS``, ``DEDLOC_EPOCH_COMPUTE``,
-``DEDLOC_SOLO_STEPS``, ``DEDLOC_NETWORK`` (``lab`` / ``sim``), ``DEDLOC_LOG_DIR``.
+``DEDLOC_SOLO_STEPS``, ``DEDLOC_NETWORK`` (``lab`` / ``sim``), ``DEDLOC_LOG_DIR``;
+``DEDLOC_PLOT`` is where the PNG goes (``docs/dedloc_heterogeneous.png``; empty: no
+plot; needs matplotlib), and ``--plot-from FILE`` draws the JSON line of an earlier run
+without running anything.
 Last line: one JSON object.
 """
 
@@ -443,6 +446,64 @@ def summarize(runs: dict[str, list[dict]], ideal: float, numel, peers) -> dict:
     return out
 
 
+DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "dedloc_heterogeneous.png"
+
+
+def plot(summary: dict, path: Path) -> bool:
+    """Left: the sum of the peers' solo rates (stacked by peer) against the swarm's
+    samples/s with equal and with bandwidth-balanced spans (each run a dot). Right: each
+    peer's share of the averaged vector in both modes. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (the bench extra): no plot", file=sys.stderr)
+        return False
+    peers = summary["peers"]
+    names = [
+        f"{i}: {p['step_sleep']:g} s/step\n{p['rate']}{', client' if p['client'] else ''}"
+        for i, p in enumerate(peers)
+    ]
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(10.5, 4.4), gridspec_kw={"width_ratios": [1, 1.6]}
+    )
+    bottom = 0.0
+    for i, p in enumerate(peers):
+        left.bar(0, p["solo"], bottom=bottom, color=f"C{i % 10}", alpha=0.5, edgecolor="white")
+        bottom += p["solo"]
+    for x, mode in ((1, "equal"), (2, "adaptive")):
+        left.bar(x, summary[mode]["samples_per_s"], color="C7" if mode == "equal" else "C2")
+        runs = summary[mode]["runs"]
+        left.plot([x] * len(runs), runs, "k.", markersize=6)
+    left.set_xticks([0, 1, 2])
+    left.set_xticklabels(["sum of solo\nrates", "swarm,\nequal spans", "swarm,\nbalanced spans"])
+    left.set_ylabel("samples/s")
+    left.set_title(
+        f"{summary['network']} network; adaptive / equal {summary['adaptive_over_equal']:.2f} x",
+        fontsize=9,
+    )
+    left.grid(axis="y", alpha=0.3)
+    total = {mode: sum(summary[mode]["spans"]) or 1 for mode in ("equal", "adaptive")}
+    width = 0.38
+    for offset, mode, color in ((-width / 2, "equal", "C7"), (width / 2, "adaptive", "C2")):
+        shares = [span / total[mode] for span in summary[mode]["spans"]]
+        xs = [i + offset for i in range(len(peers))]
+        right.bar(xs, shares, width, color=color, label=f"{mode} spans")
+    right.set_xticks(range(len(peers)))
+    right.set_xticklabels(names, fontsize=7)
+    right.set_ylabel("share of the averaged vector")
+    right.set_title("who reduces what (clients reduce nothing)", fontsize=9)
+    right.grid(axis="y", alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     env = os.environ.get
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -460,7 +521,14 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--run-timeout", type=float, default=240.0)
     parser.add_argument("--log-dir", default=env("DEDLOC_LOG_DIR"))
+    parser.add_argument("--plot", default=env("DEDLOC_PLOT", str(DEFAULT_PLOT)))
+    parser.add_argument("--plot-from", help="a file ending with an earlier run's JSON line")
     args = parser.parse_args()
+    if args.plot_from:
+        saved = json.loads(Path(args.plot_from).read_text().strip().splitlines()[-1])
+        if args.plot and plot(saved, Path(args.plot)):
+            print(f"plot: {args.plot}")
+        return
     # SIGTERM (a timeout, a CI runner) ends through the finally blocks: peers killed and
     # the namespaces deleted, instead of left behind
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -519,6 +587,7 @@ def main() -> None:
         "network": network,
         "network_reason": reason,
         "nat": network == "lab" and nat_reason is None,
+        "nat_reason": nat_reason,
         "peers": [
             {"step_sleep": p.step_sleep, "rate": p.rate, "client": p.client, "solo": round(r, 1)}
             for p, r in zip(peers, solo_rates, strict=True)
@@ -534,6 +603,8 @@ def main() -> None:
         "equal_efficiency": modes["equal"]["efficiency"],
         "wall_s": round(time.monotonic() - began, 1),
     }
+    if args.plot and plot(summary, Path(args.plot)):
+        print(f"plot: {args.plot}", file=sys.stderr)
     print(json.dumps(summary))
 
 

@@ -33,13 +33,13 @@ TINY = {
 KEYS = {
     "network", "network_reason", "nat", "peers", "parameters", "target_batch_size", "epochs",
     "repeats", "solo_sum", "equal", "adaptive", "adaptive_over_equal", "adaptive_efficiency",
-    "equal_efficiency", "wall_s",
+    "equal_efficiency", "wall_s", "nat_reason",
 }  # fmt: skip
 MODE_KEYS = {"samples_per_s", "runs", "efficiency", "epoch_s", "model_averaging_s", "spans"}
 
 
 def run_benchmark(env_extra: dict[str, str], timeout: float, path_prefix: Path | None = None):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **TINY, **env_extra)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DEDLOC_PLOT="", **TINY, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if path_prefix is not None:
         env["PATH"] = f"{path_prefix}{os.pathsep}{env['PATH']}"
@@ -174,3 +174,26 @@ def test_tiny_swarm_in_the_lab_averages_fully_behind_nat_on_slow_links():
     # the slow reducer owns nothing in adaptive mode, so it sends less than with equal
     # shares (bytes from its veth's counters)
     assert summary["adaptive"]["sent_mb_per_epoch"][1] < summary["equal"]["sent_mb_per_epoch"][1]
+
+
+def test_a_run_is_drawn_from_its_json_line(tmp_path):
+    """The plot (how docs' PNG is made, also from a saved run with ``--plot-from``):
+    solo rates against both modes, and each peer's share of the vector."""
+    peers = [
+        {"step_sleep": 0.02, "rate": "100mbit", "client": False, "solo": 50.0},
+        {"step_sleep": 0.03, "rate": "10mbit", "client": True, "solo": 30.0},
+    ]
+    summary = {"network": "sim", "peers": peers, "adaptive_over_equal": 1.3}
+    summary["equal"] = {"samples_per_s": 40.0, "runs": [39.0, 41.0], "spans": [10, 0]}
+    summary["adaptive"] = {"samples_per_s": 52.0, "runs": [52.0], "spans": [10, 0]}
+    saved = tmp_path / "run.log"
+    saved.write_text("table\n" + json.dumps(summary) + "\n")
+    picture = tmp_path / "swarm.png"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "dedloc_heterogeneous.py"), "--plot-from", str(saved),
+         "--plot", str(picture)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
