@@ -322,7 +322,7 @@ def test_a_fragment_due_while_the_peer_counts_only_itself_looks_again_and_syncs_
                 # a streaming round may end after its peer's outer step: wait for both
                 wait_until(
                     lambda: caplog.text.count("fragment 0 of epoch 0 averaged with") == 2,
-                    15,
+                    60,
                     "both peers' fragment 0 rounds of epoch 0",
                 )
             text = caplog.text
