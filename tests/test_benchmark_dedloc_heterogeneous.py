@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,8 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import _star_lab  # noqa: E402
 import dedloc_heterogeneous as bench  # noqa: E402
+
+from tests.benchmark_helpers import run_script  # noqa: E402
 
 # one fast reducer, one slow reducer, one client behind NAT: the slow reducer's share is
 # what the two modes disagree on
@@ -43,15 +44,7 @@ def run_benchmark(env_extra: dict[str, str], timeout: float, path_prefix: Path |
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if path_prefix is not None:
         env["PATH"] = f"{path_prefix}{os.pathsep}{env['PATH']}"
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "dedloc_heterogeneous.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script("dedloc_heterogeneous.py", env, timeout)
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     return summary, done
 
@@ -190,10 +183,6 @@ def test_a_run_is_drawn_from_its_json_line(tmp_path):
     saved.write_text("table\n" + json.dumps(summary) + "\n")
     picture = tmp_path / "swarm.png"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "dedloc_heterogeneous.py"), "--plot-from", str(saved),
-         "--plot", str(picture)],
-        capture_output=True, text=True, env=env, timeout=120, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    options = ("--plot-from", str(saved), "--plot", str(picture))
+    run_script("dedloc_heterogeneous.py", env, 120, *options)
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -28,25 +28,14 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import _star_lab  # noqa: E402
 
+from tests.benchmark_helpers import run_script  # noqa: E402
+
 SUBNET = "10.81.4"
 WORLD = 4
 VICTIM = 3
 VALUES = [1.0, 2.0, 4.0, 8.0]  # every average over a subset differs from every own value
 NUMEL = 2_000_000  # 8 MB: a round at 20 Mbit/s takes ~5 s, the link drops after 1.5 s
 DEADLINE = 20.0
-
-
-def run_benchmark(env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "allreduce_links.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
 
 
 def _env() -> dict[str, str]:
@@ -82,7 +71,7 @@ def test_benchmark_without_a_lab_says_why_and_runs_on_the_simulated_network(tmp_
         ARL_PEERS="4", ARL_RATES="100mbit", ARL_CODECS="none,float16", ARL_REPS="1",
         ARL_MIXED_REPS="1", ARL_NUMEL="400000", ARL_PART_BYTES="16384",
     )  # fmt: skip
-    done = run_benchmark(env, timeout=110)
+    done = run_script("allreduce_links.py", env, 110)
     assert "network lab unavailable" in done.stdout
     assert "cannot create a network namespace" in done.stdout
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -247,6 +236,6 @@ def test_a_saved_run_is_drawn_without_running_anything(tmp_path):
     saved.write_text("table lines\n" + json.dumps(summary) + "\n")
     picture = tmp_path / "links.png"
     env = dict(_env(), ARL_PLOT_FROM=str(saved), ARL_PLOT=str(picture))
-    done = run_benchmark(env, timeout=120)
+    done = run_script("allreduce_links.py", env, 120)
     assert f"plot: {picture}" in done.stdout
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
