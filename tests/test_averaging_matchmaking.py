@@ -445,6 +445,63 @@ def test_a_group_with_every_expected_peer_begins_without_waiting_out_its_window(
         assert elapsed >= 9.0, elapsed
 
 
+async def _searching(matchmakers):
+    while any(m._search is None for m in matchmakers):
+        await asyncio.sleep(0.001)
+
+
+def test_an_expected_size_changed_mid_search_is_what_the_leader_waits_for():
+    """A diloco round is scheduled before the epoch ends, with the peers counted then; a
+    peer counted later raises the expected size of the search under way. Raised from 2
+    to 3, the leader waits for the third peer, who starts looking 1 s later (with 2 the
+    first two would have begun without it); lowered from 4 to 3, a group of three begins
+    at once instead of waiting out its 10-s window."""
+
+    async def main(network):
+        nodes, mms = await make_swarm(
+            network, 3, seed=5, target_group_size=16, min_matchmaking_time=10.0
+        )
+        loop = asyncio.get_running_loop()
+
+        def looking(m, size):
+            return asyncio.create_task(
+                m.look_for_group(data_for_gather=b"x", timeout=30, expected_size=size)
+            )
+
+        began = loop.time()
+        early = [looking(m, 2) for m in mms[:2]]
+        await _searching(mms[:2])
+        for m in mms[:2]:
+            m.set_expected_size(3)
+        await asyncio.sleep(1.0)
+        late = looking(mms[2], 3)
+        raised = [await t for t in [*early, late]]
+        raised_elapsed = loop.time() - began
+
+        began = loop.time()
+        tasks = [looking(m, 4) for m in mms]
+        await _searching(mms)
+        await asyncio.sleep(1.0)
+        for m in mms:
+            m.set_expected_size(3)
+        lowered = [await t for t in tasks]
+        lowered_elapsed = loop.time() - began
+        with pytest.raises(ValidationError, match="expected_size must be an int >= 2"):
+            mms[0].set_expected_size(1)
+        mms[0].set_expected_size(5)  # no search under way: nothing to change
+        await stop(nodes, mms)
+        return raised, raised_elapsed, lowered, lowered_elapsed, mms
+
+    raised, raised_elapsed, lowered, lowered_elapsed, mms = run_simulation(
+        main, seed=5, latency=0.02
+    )
+    for results in (raised, lowered):
+        assert all(r is not None and r.group_size == 3 for r in results)
+        check_consistent(results, mms, [b"x"] * 3)
+    assert raised_elapsed < 3.0, raised_elapsed
+    assert 1.0 <= lowered_elapsed < 3.0, lowered_elapsed
+
+
 def _count_dht_calls(matchmakers):
     """Wrap each key manager's declare and get_declarations with a counter."""
     calls = Counter()

@@ -111,6 +111,22 @@ def test_bad_weights_and_times_are_refused():
     assert control.scheduled_time == 5.0 and "idle" in repr(control)
 
 
+def test_a_new_expected_group_size_is_checked_and_passed_on_only_when_it_changes():
+    control = StepControl(scheduled_time=5.0, weight=1, expected_group_size=2)
+    control.expected_group_size = 3  # no search under way: kept for the next one
+    seen = []
+    control._expected_size_hook = seen.append
+    for value in (3, 4, 4, None):
+        control.expected_group_size = value
+    assert seen == [4, None] and control.expected_group_size is None
+    for bad in (1, 2.0, True, "3"):
+        with pytest.raises(ValidationError, match="expected_group_size must be an int >= 2"):
+            control.expected_group_size = bad
+    with pytest.raises(ValidationError, match="expected_group_size"):
+        StepControl(scheduled_time=5.0, weight=1, expected_group_size=1)
+    assert seen == [4, None]
+
+
 def test_only_a_step_without_a_group_is_cancelled_by_cancel_if_ungrouped(arun):
     async def main():
         idle = StepControl(scheduled_time=1.0, weight=1.0)

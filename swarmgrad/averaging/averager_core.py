@@ -566,14 +566,27 @@ class AsyncDecentralizedAverager:
             gather=gather,
             aggregate_tag=self.aggregate_tag,
         )
-        group = await self.matchmaking.look_for_group(
-            data_for_gather=data,
-            timeout=window,
-            scheduled_time=control.scheduled_time,
-            round_tag=control.round_tag,
-            expected_size=control.expected_group_size,
-            leader_hint=control.leader_hint,
-        )
+        loop = asyncio.get_running_loop()
+
+        def apply(size: int | None) -> None:  # on the loop, if still this search's
+            if control._expected_size_hook is hook:
+                self.matchmaking.set_expected_size(size)
+
+        def hook(size: int | None) -> None:
+            loop.call_soon_threadsafe(apply, size)
+
+        control._expected_size_hook = hook
+        try:
+            group = await self.matchmaking.look_for_group(
+                data_for_gather=data,
+                timeout=window,
+                scheduled_time=control.scheduled_time,
+                round_tag=control.round_tag,
+                expected_size=control.expected_group_size,
+                leader_hint=control.leader_hint,
+            )
+        finally:
+            control._expected_size_hook = None
         if group is None:
             logger.debug("%s: no group found under %s", self, self.prefix)
             return None

@@ -365,11 +365,7 @@ class Matchmaking:
         loop = asyncio.get_running_loop()
         key = tagged_group_key(self.key_manager.current_key, round_tag)
         search = _Search(key, data, loop.time() + timeout)
-        search.full_at = self.target_group_size
-        if expected_size is not None:
-            if type(expected_size) is not int or expected_size < 2:
-                raise ValidationError(f"expected_size must be an int >= 2, got {expected_size!r}")
-            search.full_at = min(self.target_group_size, expected_size)
+        search.full_at = self._full_at(expected_size)
         if leader_hint is not None and not isinstance(leader_hint, PeerID):
             raise ValidationError(f"leader_hint must be a PeerID, got {leader_hint!r:.60}")
         self._search = search
@@ -413,6 +409,26 @@ class Matchmaking:
 
     def _local_time_of(self, dht_time: float) -> float:
         return asyncio.get_running_loop().time() + (dht_time - self._dht_time())
+
+    def _full_at(self, expected_size: int | None) -> int:
+        if expected_size is None:
+            return self.target_group_size
+        if type(expected_size) is not int or expected_size < 2:
+            raise ValidationError(f"expected_size must be an int >= 2, got {expected_size!r}")
+        return min(self.target_group_size, expected_size)
+
+    def set_expected_size(self, expected_size: int | None) -> None:
+        """A new ``expected_size`` for the search under way (see :meth:`look_for_group`;
+        call on the loop). A diloco round is scheduled before its epoch ends, and a peer
+        that joined meanwhile was counted by everyone only at the launch: the groups
+        began with the peers counted at scheduling, every epoch, and left it out."""
+        full_at = self._full_at(expected_size)
+        s = self._search
+        if s is None:
+            return
+        s.full_at = full_at
+        if len(s.followers) + 1 >= s.full_at:
+            s.wakeup.set()
 
     def _time_to_begin(self, s: _Search) -> bool:
         if self.client_mode:

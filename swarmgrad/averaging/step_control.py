@@ -27,6 +27,7 @@ import contextlib
 import enum
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from swarmgrad.averaging.allreduce import MAX_WEIGHT
@@ -56,6 +57,12 @@ def check_weight(weight: Any) -> float:
     return float(weight)
 
 
+def _check_expected_group_size(value: Any) -> int | None:
+    if value is not None and (type(value) is not int or value < 2):
+        raise ValidationError(f"expected_group_size must be an int >= 2 or None, got {value!r}")
+    return value
+
+
 class StepControl(concurrent.futures.Future):
     """One averaging step: its future result, its trigger, its weight and stage.
 
@@ -70,7 +77,8 @@ class StepControl(concurrent.futures.Future):
     all-reduce begins.
     ``expected_group_size``: how many peers the caller knows will come (None: unknown);
     a group this peer leads begins as soon as it has that many members instead of
-    waiting for its scheduled time.
+    waiting for its scheduled time. Settable while the step looks for its group: a
+    step scheduled before the caller learned of a new peer then waits for it too.
     ``leader_hint``: the peer expected to lead the group (this peer itself, or another):
     matchmaking then skips the DHT (see :mod:`~swarmgrad.averaging.matchmaking`).
     """
@@ -93,13 +101,10 @@ class StepControl(concurrent.futures.Future):
         self._send_pacer: SendPacer | None = None
         self.require_trigger = bool(require_trigger)
         self.round_tag = check_round_tag(round_tag)
-        if expected_group_size is not None and (
-            type(expected_group_size) is not int or expected_group_size < 2
-        ):
-            raise ValidationError(
-                f"expected_group_size must be an int >= 2 or None, got {expected_group_size!r}"
-            )
-        self.expected_group_size = expected_group_size
+        self._expected_group_size = _check_expected_group_size(expected_group_size)
+        # set by the averager while this step looks for a group: tells the search a new
+        # expected size (from any thread)
+        self._expected_size_hook: Callable[[int | None], None] | None = None
         if leader_hint is not None and not isinstance(leader_hint, PeerID):
             raise ValidationError(f"leader_hint must be a PeerID or None, got {leader_hint!r:.60}")
         self.leader_hint = leader_hint
@@ -125,6 +130,20 @@ class StepControl(concurrent.futures.Future):
         if self.began_allreduce:
             raise ValidationError("the all-reduce has begun: its weight can no longer change")
         self._weight = check_weight(value)
+
+    @property
+    def expected_group_size(self) -> int | None:
+        return self._expected_group_size
+
+    @expected_group_size.setter
+    def expected_group_size(self, value: int | None) -> None:
+        value = _check_expected_group_size(value)
+        if value == self._expected_group_size:
+            return
+        self._expected_group_size = value
+        hook = self._expected_size_hook
+        if hook is not None:
+            hook(value)
 
     @property
     def send_pacer(self) -> SendPacer | None:

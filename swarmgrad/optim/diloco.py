@@ -273,6 +273,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._check_sync_on_next_update = True
         self._resync = False  # a round showed that synced copies differ across peers
+        self._left_behind = False  # a round found nobody: the others were past its epoch
         self._state_offer_pending = False  # the epoch's state is declared once it is whole
 
         averager_opts = dict(averager_opts or {})
@@ -483,7 +484,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _maybe_schedule(self, fragment: _Fragment, fraction: float) -> None:
         """Start matchmaking ``matchmaking_time`` before the fragment's sync is due."""
-        if fragment.scheduled is not None or fragment.synced_epoch >= self.local_epoch:
+        if fragment.scheduled is not None:
+            # peers counted since it was scheduled are waited for too
+            fragment.scheduled.expected_group_size = self._expected_group_size()
+            return
+        if fragment.synced_epoch >= self.local_epoch:
             return
         if fragment.running is not None:
             return  # its previous round is still in flight
@@ -571,6 +576,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if control is not None and (control.done() or control.round_tag != tag):
             control.cancel()
             control = None
+        if control is not None:
+            control.expected_group_size = self._expected_group_size()
         fragment.synced_epoch = fragment.running_epoch = self.local_epoch
         if self.tracker.global_progress.num_peers <= 1:
             if control is not None:
@@ -777,6 +784,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 fragment.index,
                 fragment.running_epoch,
             )
+            if self.tracker.peers_ahead_of(fragment.running_epoch, refresh=False):
+                # the others averaged this epoch without us and moved on: their state
+                # holds what we missed. Waiting for the next once-per-epoch check kept a
+                # joiner in a swarm of 0.2-s epochs one epoch behind, alone, to the end
+                self._left_behind = True
         members = set(fragment.params)
         with torch.no_grad(), self.state_averager.state_lock():
             saved = [m.grad for m in self._masters]
@@ -868,6 +880,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ staying in sync
 
     def _should_load_state_from_peers(self) -> bool:
+        if self._left_behind:
+            self._left_behind = False
+            return True
         if (
             self._check_sync_on_next_update
             and self.tracker.fetched_global_progress_this_epoch.is_set()
@@ -932,15 +947,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def shutdown(self, finish_rounds: bool = True) -> None:
         """Leave the swarm. Streaming rounds that are already averaging (their group
         formed, released by this peer) are finished first, within ``averaging_timeout``,
-        and merged: the outer step does not wait for them, so without this the last
-        epoch's late fragments would be lost. Rounds still looking for a group are
+        and merged, and so are rounds that ended since the last step: the outer step
+        does not wait for them, so without this the last epoch's late fragments would
+        be lost (a round that ended after the peer's last step was dropped, and its
+        synced copy differed from its group's). Rounds still looking for a group are
         cancelled. ``finish_rounds=False``: cancel everything at once."""
         if self._closed:
             return
         self._closed = True
         for fragment in self.fragments:
             running = fragment.running
-            if finish_rounds and running is not None and running.stage in _AVERAGING_STAGES:
+            if (
+                finish_rounds
+                and running is not None
+                and (running.done() or running.stage in _AVERAGING_STAGES)
+            ):
                 try:
                     self._apply_fragment(fragment, running)
                 except Exception as e:  # leaving anyway: the round's result is not needed
