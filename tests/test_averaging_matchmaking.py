@@ -446,8 +446,7 @@ def test_a_group_with_every_expected_peer_begins_without_waiting_out_its_window(
 
 
 async def _searching(matchmakers):
-    while any(m._search is None for m in matchmakers):
-        await asyncio.sleep(0.001)
+    await asyncio.gather(*(m._looking.wait() for m in matchmakers))
 
 
 def test_an_expected_size_changed_mid_search_is_what_the_leader_waits_for():
