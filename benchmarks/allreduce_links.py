@@ -465,6 +465,21 @@ def _print_setting(s: dict, plan: dict) -> None:
     print(" | ".join(cells), flush=True)
 
 
+def flat_results(settings: list[dict]) -> list[dict]:
+    """One row per setting and codec: ``peers``, ``rate``, ``compression``, ``ours_s``,
+    ``gloo_s`` (None where gloo did not run: the simulated network), ``bound_s``. The
+    shape ``../shared/tools/check_targets.py`` reads."""
+    rows = []
+    for s in settings:
+        gloo = s.get("gloo", {}).get("median_s")
+        for kind in CODECS:
+            if kind in s:
+                rows.append({"peers": s["peers"], "rate": s["rate"], "compression": kind,
+                             "ours_s": s[kind]["median_s"], "gloo_s": gloo,
+                             "bound_s": s["bound_s"]})  # fmt: skip
+    return rows
+
+
 def targets(results: dict, plan: dict) -> list[dict]:
     """Each target of the issue with its measured ratio (None where not measured)."""
     rows = []
@@ -629,6 +644,7 @@ def main() -> None:
         "settings": results["settings"],
         "mixed": results["mixed"],
         "targets": rows,
+        "results": flat_results(results["settings"]),
     }
     _plot_if_asked(summary)
     print(json.dumps(summary))

@@ -85,6 +85,10 @@ def test_benchmark_without_a_lab_says_why_and_runs_on_the_simulated_network(tmp_
     # virtual time on links of rate / (N-1): uncompressed sits near the bound, float16
     # near half of it
     assert bound <= setting["none"]["median_s"] <= 1.5 * bound
+    # the flat rows ../shared/tools/check_targets.py reads (no gloo on the simulation)
+    assert [
+        (r["compression"], r["ours_s"], r["gloo_s"], r["bound_s"]) for r in summary["results"]
+    ] == [(codec, setting[codec]["median_s"], None, bound) for codec in ("none", "float16")]
     assert setting["float16"]["median_s"] < 0.75 * bound
     mixed = summary["mixed"]
     assert mixed["equal"]["fully_averaged"] and mixed["balanced"]["fully_averaged"]
