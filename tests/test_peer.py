@@ -342,3 +342,32 @@ def test_default_channel_uses_aes_gcm_records(arun):
         await shutdown(client, server)
 
     arun(main)
+
+
+
+def test_a_servicer_with_a_prefix_serves_each_rpc_method_under_its_wire_name(arun):
+    class Echo(ServicerBase):
+        rpc_prefix = "echo"
+
+        async def rpc_say(self, request, context):
+            return {"said": request["text"]}
+
+        async def rpc_count(self, request, context):
+            for i in range(request["n"]):
+                yield i
+
+    async def main():
+        server, client, addr = await two_peers()
+        echo_servicer = server.shared_servicer(Echo)
+        assert server.shared_servicer(Echo) is echo_servicer
+        assert await client.call(addr, "echo.say", {"text": "hi"}) == {"said": "hi"}
+        assert [x async for x in client.iterate(addr, "echo.count", {"n": 3})] == [0, 1, 2]
+        with pytest.raises(ValidationError, match=r"echo\.say"):
+            server.add_servicer(Echo())
+        server.remove_servicer(echo_servicer)
+        with pytest.raises(UnknownHandler, match=r"echo\.say"):
+            await client.call(addr, "echo.say", {"text": "hi"})
+        assert server.shared_servicer(Echo) is not echo_servicer
+        await shutdown(client, server)
+
+    arun(main)

@@ -20,7 +20,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from swarmgrad.net import relay, rpc
 from swarmgrad.net.admission import Admission, make_admission
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 RAW_PROTOCOL_PREFIX = b"\x00raw:"  # stream headers of non-RPC protocols (e.g. relays)
 RENEW_TOKEN = "admission.renew"  # a peer presents its renewed token on a live connection
 MAX_ADDRESSES_PER_PEER = 16
+_S = TypeVar("_S", bound=rpc.ServicerBase)
 
 
 class Peer:
@@ -86,6 +87,7 @@ class Peer:
         self._listen_maddrs: list[Multiaddr] = []
         self._handlers: dict[str, rpc.Handler] = {}
         self._raw_protocols: dict[str, Callable[[Stream], Any]] = {}
+        self._shared_servicers: dict[type, rpc.ServicerBase] = {}
         self._connections: dict[PeerID, Connection] = {}
         self._all_connections: set[Connection] = set()
         self._dialing: dict[Any, asyncio.Future[Connection]] = {}
@@ -202,13 +204,47 @@ class Peer:
         self._handlers.pop(name, None)
 
     def add_servicer(self, servicer: rpc.ServicerBase, namespace: str | None = None) -> None:
+        """Serve every ``rpc_*`` method of ``servicer`` (see :class:`rpc.ServicerBase`)."""
+        handlers = servicer.rpc_handlers(namespace)
+        registered = self._handlers.keys() | self._raw_protocols.keys()
+        taken = [h.name for h in handlers if h.name in registered]
+        if taken:
+            raise ValidationError(f"handlers named {taken} are already registered")
+        for handler in handlers:
+            if handler.stream_output == rpc.RAW_STREAM:
+                self.add_protocol_handler(handler.name, handler.fn)
+            else:
+                self.add_handler(
+                    handler.name,
+                    handler.fn,
+                    stream_input=handler.stream_input,
+                    stream_output=handler.stream_output,
+                )
+
+    def remove_servicer(self, servicer: rpc.ServicerBase, namespace: str | None = None) -> None:
+        """Stop serving ``servicer``'s methods (those still registered to it)."""
         for handler in servicer.rpc_handlers(namespace):
-            self.add_handler(
-                handler.name,
-                handler.fn,
-                stream_input=handler.stream_input,
-                stream_output=handler.stream_output,
-            )
+            registered = self._handlers.get(handler.name)
+            if registered is not None and registered.fn == handler.fn:
+                del self._handlers[handler.name]
+            if self._raw_protocols.get(handler.name) == handler.fn:
+                del self._raw_protocols[handler.name]
+        for cls, shared in list(self._shared_servicers.items()):
+            if shared is servicer:
+                del self._shared_servicers[cls]
+
+    def shared_servicer(self, cls: type[_S], *args: Any, **kwargs: Any) -> _S:
+        """This peer's one instance of ``cls``, created and served on first use.
+
+        For protocols that several objects of one peer share: every averager of a peer
+        meets others through one ``averaging.join_group`` handler that routes by prefix.
+        The instance lives as long as the peer (or until :meth:`remove_servicer`)."""
+        servicer = self._shared_servicers.get(cls)
+        if servicer is None:
+            servicer = cls(*args, **kwargs)
+            self.add_servicer(servicer)
+            self._shared_servicers[cls] = servicer
+        return servicer  # type: ignore[return-value]
 
     def add_protocol_handler(self, protocol: str, fn: Callable[[Stream], Any]) -> None:
         """A raw stream protocol: ``async fn(stream)`` owns the stream (e.g. the relay)."""

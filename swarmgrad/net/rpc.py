@@ -496,27 +496,62 @@ async def with_deadline(awaitable: Awaitable[Any], timeout: float | None, what: 
 
 
 class ServicerBase:
-    """A class whose ``rpc_*`` coroutine methods become handlers (hivemind's style).
+    """The one way a protocol is served: a class whose ``rpc_*`` methods are the protocol.
 
-    ``async def rpc_x(self, request, context)`` is unary; an ``async def`` generator is
-    stream-output; a ``request`` parameter annotated with ``AsyncIterator`` is stream-input.
-    Handlers register under ``"<namespace>.<ServicerClass>.rpc_x"`` unless a name is given.
+    ``grep "def rpc_"`` over the library lists the whole surface of the swarm. The shape
+    of a method says its kind:
+
+    - ``async def rpc_x(self, request, context)``: unary;
+    - an ``async def`` generator: stream output;
+    - a ``request`` annotated ``AsyncIterator``/``AsyncIterable``: stream input;
+    - ``async def rpc_x(self, stream: Stream)``: a raw stream the method owns (bulk
+      protocols such as the all-reduce's parts, which manage their own framing).
+
+    Names: a servicer that sets ``rpc_prefix`` (on the class, or per instance when one
+    protocol runs under several prefixes) serves ``rpc_x`` as ``"<rpc_prefix>.x"``, the
+    house's wire names (``"dht.find"``). Without it, handlers register under
+    ``"<namespace>.<ServicerClass>.rpc_x"``, hivemind's naming, so ported servicers keep
+    theirs. A protocol that several objects of one peer share (one matchmaking handler
+    routing by prefix to many averagers) is one servicer per peer, obtained with
+    :meth:`swarmgrad.net.peer.Peer.shared_servicer`.
     """
+
+    rpc_prefix: str | None = None
 
     def rpc_handlers(self, namespace: str | None = None) -> list[Handler]:
         handlers = []
-        prefix = f"{namespace}." if namespace else ""
         for attr in sorted(dir(type(self))):
-            if not attr.startswith("rpc_"):
+            if not attr.startswith("rpc_") or attr == "rpc_handlers" or attr == "rpc_prefix":
                 continue
             fn = getattr(self, attr)
-            stream_output = inspect.isasyncgenfunction(fn)
-            params = list(inspect.signature(fn).parameters.values())
-            annotation = params[0].annotation if params else inspect.Parameter.empty
-            stream_input = "AsyncIterator" in str(annotation) or "AsyncIterable" in str(annotation)
-            name = f"{prefix}{type(self).__name__}.{attr}"
-            handlers.append(Handler(name, fn, stream_input, stream_output))
+            if not callable(fn):
+                continue
+            handlers.append(
+                Handler(self._handler_name(attr, namespace), fn, *_handler_kind(fn))
+            )
         return handlers
 
+    def _handler_name(self, attr: str, namespace: str | None) -> str:
+        if namespace is None and self.rpc_prefix:
+            return f"{self.rpc_prefix}.{attr[len('rpc_'):]}"
+        prefix = f"{namespace}." if namespace else ""
+        return f"{prefix}{type(self).__name__}.{attr}"
 
-__all__ = ["Blob", "Handler", "RPCContext", "ServicerBase"]
+
+RAW_STREAM = "raw"
+
+
+def _handler_kind(fn: Callable[..., Any]) -> tuple[bool, bool | str]:
+    """(stream_input, stream_output) from a method's shape; stream_output is
+    :data:`RAW_STREAM` for a method that takes the stream itself."""
+    params = list(inspect.signature(fn).parameters.values())
+    annotation = params[0].annotation if params else inspect.Parameter.empty
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    if len(params) == 1 and text.split(".")[-1] == "Stream":
+        return False, RAW_STREAM
+    stream_output = inspect.isasyncgenfunction(fn)
+    stream_input = "AsyncIterator" in str(annotation) or "AsyncIterable" in str(annotation)
+    return stream_input, stream_output
+
+
+__all__ = ["RAW_STREAM", "Blob", "Handler", "RPCContext", "ServicerBase"]
