@@ -36,7 +36,8 @@ shortest wait for a stalled peer in the mixed-rate rounds; with the library's 5 
 20 Mbit/s member whose whole connection went silent for 5 s was excluded from an
 equal-span round), ``ARL_LOG_DIR`` (the workers' stderr), ``LAB_CC`` (the namespaces'
 TCP congestion control, ``cubic``; see ``_star_lab.py``), ``ARL_PLOT`` (where the PNG
-goes, ``docs/allreduce_links.png``; empty: no plot; needs matplotlib, the bench extra),
+goes, ``benchmarks/results/allreduce_links.png``, or ``docs/`` with
+``SWARMGRAD_UPDATE_DOCS=1``; empty: no plot; needs matplotlib, the bench extra),
 ``ARL_PLOT_FROM`` (a file holding the JSON line of an earlier run: draw its plot, run
 nothing). Prints a table, the ratio per target, and last one JSON line.
 """
@@ -57,6 +58,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from _results import figure_path  # noqa: E402
 from _star_lab import (  # noqa: E402
     StarLab,
     _bits_per_second,
@@ -507,7 +509,7 @@ def targets(results: dict, plan: dict) -> list[dict]:
     return rows
 
 
-DEFAULT_PLOT = REPO / "docs" / "allreduce_links.png"
+DEFAULT_PLOT = figure_path("allreduce_links.png")
 _PLOT_KINDS = (
     ("gloo", "gloo (ring)"),
     ("none", "ours"),

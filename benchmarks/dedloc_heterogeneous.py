@@ -44,9 +44,9 @@ Small configurations for tests come from environment variables: ``DEDLOC_PEERS``
 (``sleep:rate[:client],...``, e.g. ``0.02:100mbit,0.03:20mbit,0.03:50mbit:client``),
 ``DEDLOC_HIDDEN``, ``DEDLOC_EPOCHS``, ``DEDLOC_REPEATS``, ``DEDLOC_EPOCH_COMPUTE``,
 ``DEDLOC_SOLO_STEPS``, ``DEDLOC_NETWORK`` (``lab`` / ``sim``), ``DEDLOC_LOG_DIR``;
-``DEDLOC_PLOT`` is where the PNG goes (``docs/dedloc_heterogeneous.png``; empty: no
-plot; needs matplotlib), and ``--plot-from FILE`` draws the JSON line of an earlier run
-without running anything.
+``DEDLOC_PLOT`` is where the PNG goes (``benchmarks/results/dedloc_heterogeneous.png``, or
+``docs/`` with ``SWARMGRAD_UPDATE_DOCS=1``; empty: no plot; needs matplotlib), and
+``--plot-from FILE`` draws the JSON line of an earlier run without running anything.
 Last line: one JSON object.
 """
 
@@ -69,6 +69,7 @@ PEER = HERE / "_dedloc_peer.py"
 sys.path.insert(0, str(HERE))
 
 from _child_process import JsonLinesProcess  # noqa: E402
+from _results import figure_path  # noqa: E402
 from _star_lab import StarLab, lab_unavailable_reason, set_congestion_control  # noqa: E402
 
 MODES = ("equal", "adaptive")
@@ -446,7 +447,7 @@ def summarize(runs: dict[str, list[dict]], ideal: float, numel, peers) -> dict:
     return out
 
 
-DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "dedloc_heterogeneous.png"
+DEFAULT_PLOT = figure_path("dedloc_heterogeneous.png")
 
 
 def plot(summary: dict, path: Path) -> bool:

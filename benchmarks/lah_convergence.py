@@ -56,6 +56,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lah_swarm import SimSwarm
+from _results import figure_path
 
 from swarmgrad.moe import RemoteMixtureOfExperts
 from swarmgrad.moe.client import NoExpertsAnswered
@@ -63,7 +64,7 @@ from swarmgrad.moe.protocol import BatchTensorDescriptor
 from swarmgrad.moe.server import ModuleBackend
 from swarmgrad.moe.server.layers import name_to_block
 
-DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "lah_convergence.png"
+DEFAULT_PLOT = figure_path("lah_convergence.png")
 GRID = (2, 2)
 SERVERS = 4
 LR = float(os.environ.get("LAH_LR", "1e-4"))

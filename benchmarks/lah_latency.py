@@ -53,6 +53,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lah_swarm import SimSwarm
+from _results import figure_path
 
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
 from swarmgrad.moe import RemoteMixtureOfExperts
@@ -61,7 +62,7 @@ from swarmgrad.moe.server import ModuleBackend
 from swarmgrad.moe.server.layers import name_to_block
 from swarmgrad.utils.loop_thread import run_coroutine
 
-DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "lah_latency.png"
+DEFAULT_PLOT = figure_path("lah_latency.png")
 STAGE_RPC = "lah.stage"
 LR = 1e-4
 

@@ -35,7 +35,8 @@ SIGKILLed during the second outer step: ``kill_outer_steps_lost`` counts outer s
 survivors skipped or repeated. ``site_loss_ratio`` comes from ``benchmarks/sites.py``
 (two sites of two ``torch.distributed`` ranks against four flat peers, one repeat) when
 it exists.
-The plot of loss against wall time goes to ``docs/slow_links.png`` (needs matplotlib).
+The plot of loss against wall time goes to ``benchmarks/results/slow_links.png`` (``docs/`` with
+``SWARMGRAD_UPDATE_DOCS=1``; needs matplotlib).
 Last line: one JSON object.
 """
 
@@ -56,6 +57,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from _child_process import JsonLinesProcess  # noqa: E402
+from _results import figure_path  # noqa: E402
 from _star_lab import HUB_ADDR, StarLab, lab_unavailable_reason  # noqa: E402
 from _tiny_lm import untrained_loss  # noqa: E402
 
@@ -330,7 +332,8 @@ def main() -> None:
             / max(1, results["streaming"]["peak_bytes_per_s"]),
             2,
         )
-    plotted = plot(results, REPO / "docs" / "slow_links.png")
+    plot_path = figure_path("slow_links.png")
+    plotted = plot(results, plot_path)
     summary = {
         "lab": lab is not None,
         "rate": args.rate if lab is not None else None,
@@ -338,7 +341,7 @@ def main() -> None:
         "untrained_loss": round(untrained_loss(), 4),
         **{mode: {k: v for k, v in r.items() if k != "curve"} for mode, r in results.items()},
         **extra,
-        "plot": "docs/slow_links.png" if plotted else None,
+        "plot": str(plot_path.relative_to(REPO)) if plotted else None,
     }
     print(json.dumps(summary))
 

@@ -1,1 +1,4 @@
-"""Command-line entry points: ``swarmgrad dht`` (bootstrap / relay peer), more to come."""
+"""Command-line entry points of ``swarmgrad`` (see ``swarmgrad --help``): ``dht`` (a
+bootstrap / relay peer), ``server`` (expert server), ``train`` (a trainer peer),
+``monitor`` (dashboard and Prometheus endpoint), ``demo`` (small local swarms) and
+``authority`` (admission keys, tokens and revocations), one module each."""
