@@ -20,7 +20,7 @@ from swarmgrad.net.hivemind_identity import (
     verify_alias,
 )
 from swarmgrad.net.identity import Identity
-from swarmgrad.utils.crypto import RSAPrivateKey, RSAPublicKey
+from swarmgrad.utils.rsa import RSAPrivateKey, RSAPublicKey
 from swarmgrad.utils.errors import IdentityFileError, ValidationError
 
 

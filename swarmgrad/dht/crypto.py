@@ -56,11 +56,15 @@ import threading
 
 from swarmgrad.dht.validation import DHTRecord, RecordValidatorBase
 from swarmgrad.net.identity import Identity, verify_signature
-from swarmgrad.utils.crypto import RSAPrivateKey
+from swarmgrad.utils.rsa import PrivateKey, PublicKey, RSAPrivateKey, RSAPublicKey
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = [
     "Ed25519SignatureValidator",
+    "PrivateKey",
+    "PublicKey",
+    "RSAPrivateKey",
+    "RSAPublicKey",
     "RSASignatureValidator",
     "owner_marker",
     "record_signing_payload",
@@ -285,9 +289,9 @@ class RSASignatureValidator(Ed25519SignatureValidator):
 
     Records are owned by ed25519 keys (the peer's identity type), with the markers and
     signatures described in :mod:`swarmgrad.dht.crypto`. ``private_key`` may be hivemind's
-    :class:`~swarmgrad.utils.crypto.RSAPrivateKey` (``RSASignatureValidator(private_key=k)``):
+    :class:`~swarmgrad.utils.rsa.RSAPrivateKey` (``RSASignatureValidator(private_key=k)``):
     the records are then owned by the ed25519 key derived from it
-    (:meth:`~swarmgrad.utils.crypto.RSAPrivateKey.ed25519_seed`), the same in every process
+    (:meth:`~swarmgrad.utils.rsa.RSAPrivateKey.ed25519_seed`), the same in every process
     and on every machine that holds ``k``, so a program that pickles its RSA key to helper
     processes or reloads it keeps owning its records. A swarmgrad :class:`Identity` is
     accepted too; without either, the process-wide identity signs.

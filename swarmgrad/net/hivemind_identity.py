@@ -6,7 +6,7 @@ swarmgrad peers authenticate with ed25519 keys only (the TLS handshake proves an
 key; see :mod:`swarmgrad.net.identity`), so an RSA key cannot be used as it is.
 
 **What the import does.** The new identity is the ed25519 key *derived* from the RSA key
-(:meth:`swarmgrad.utils.crypto.RSAPrivateKey.ed25519_seed`): importing the same hivemind
+(:meth:`swarmgrad.utils.rsa.RSAPrivateKey.ed25519_seed`): importing the same hivemind
 file again, on any machine, gives the same swarmgrad PeerID, and records the program
 signs with ``RSASignatureValidator(private_key=<that RSA key>)`` are owned by that same
 ed25519 key. So a peer keeps one stable identity through the move, although the key type
@@ -43,7 +43,7 @@ from swarmgrad.net.identity import (
     _key_type_name,
     verify_signature,
 )
-from swarmgrad.utils.crypto import RSAPrivateKey, RSAPublicKey
+from swarmgrad.utils.rsa import RSAPrivateKey, RSAPublicKey
 from swarmgrad.utils.errors import IdentityFileError, ValidationError
 
 __all__ = [

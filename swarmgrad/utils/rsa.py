@@ -1,5 +1,7 @@
 """hivemind's RSA keys (``hivemind.utils.crypto``), for programs that create or pass them.
 
+Re-exported by :mod:`swarmgrad.dht.crypto` (where ``hivemind.utils.crypto`` finds them).
+
 hivemind signs DHT records and names peers with RSA-2048 keys; swarmgrad uses ed25519
 identities. Programs written for hivemind still build ``RSAPrivateKey()`` objects, pass
 them to ``RSASignatureValidator(private_key=...)``, pickle them to other processes and read
