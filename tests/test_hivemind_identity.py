@@ -20,8 +20,8 @@ from swarmgrad.net.hivemind_identity import (
     verify_alias,
 )
 from swarmgrad.net.identity import Identity
-from swarmgrad.utils.rsa import RSAPrivateKey, RSAPublicKey
 from swarmgrad.utils.errors import IdentityFileError, ValidationError
+from swarmgrad.utils.rsa import RSAPrivateKey, RSAPublicKey
 
 
 def _varint(n: int) -> bytes:

@@ -56,8 +56,8 @@ import threading
 
 from swarmgrad.dht.validation import DHTRecord, RecordValidatorBase
 from swarmgrad.net.identity import Identity, verify_signature
-from swarmgrad.utils.rsa import PrivateKey, PublicKey, RSAPrivateKey, RSAPublicKey
 from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.rsa import PrivateKey, PublicKey, RSAPrivateKey, RSAPublicKey
 
 __all__ = [
     "Ed25519SignatureValidator",

@@ -43,8 +43,8 @@ from swarmgrad.net.identity import (
     _key_type_name,
     verify_signature,
 )
-from swarmgrad.utils.rsa import RSAPrivateKey, RSAPublicKey
 from swarmgrad.utils.errors import IdentityFileError, ValidationError
+from swarmgrad.utils.rsa import RSAPrivateKey, RSAPublicKey
 
 __all__ = [
     "IdentityAlias",
