@@ -19,6 +19,7 @@ from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.dht.validation import RecordValidatorBase
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.peer import Peer
+from swarmgrad.p2p.options import LIBP2P_ONLY_OPTIONS, warn_libp2p_only_options
 from swarmgrad.utils.errors import PeerUnreachable, ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
 
@@ -81,6 +82,8 @@ class DHT:
         self.startup_timeout, self.shutdown_timeout = startup_timeout, shutdown_timeout
         self._validators = list(record_validators)
         self._peer_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _PEER_OPTIONS}
+        libp2p_only = {k: kwargs.pop(k) for k in list(kwargs) if k in LIBP2P_ONLY_OPTIONS}
+        warn_libp2p_only_options(libp2p_only, where="DHT")
         self._node_kwargs = kwargs
         self.peer: Peer | None = None
         self.node: DHTNode | None = None

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import warnings
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -48,6 +47,7 @@ from swarmgrad.p2p.datastructures import (
     PeerInfo,
     StreamInfo,
 )
+from swarmgrad.p2p.options import warn_libp2p_only_options
 from swarmgrad.p2p.streams import StreamReader, StreamWriter
 from swarmgrad.utils.errors import (
     IdentityFileError,
@@ -66,42 +66,6 @@ try:  # the optional ``hivemind`` extra
 except ImportError:  # pragma: no cover - exercised where protobuf is absent
     _ProtobufMessage = None
     _DecodeError = None
-
-
-# Options of hivemind's P2P.create that only configure libp2p, with what swarmgrad does
-# instead; a non-default value is accepted with one warning per option.
-LIBP2P_ONLY_OPTIONS: dict[str, tuple[Any, str]] = {
-    "auto_nat": (
-        True,
-        "no_listen says whether we are reachable; relays serve peers behind NAT",
-    ),
-    "conn_manager": (True, "the peer keeps one connection per peer and closes idle ones itself"),
-    "dht_mode": ("server", "swarmgrad's DHT takes client_mode= on DHT/DHTNode"),
-    "force_reachability": (None, "pass no_listen=True for a peer that cannot be reached"),
-    "idle_timeout": (30, "there is no daemon to stop; connections close after their own idle time"),
-    "nat_port_map": (True, "no UPnP/NAT-PMP; use announce_maddrs or relays"),
-    "relay_hop_limit": (0, "relayed streams always take one hop"),
-    "tls": (True, "connections always use TLS 1.3 authenticated by the peer's ed25519 key"),
-    "use_auto_relay": (False, "pass the relays as trusted_relays="),
-    "use_ipfs": (False, "no IPFS bootstrap: pass initial_peers"),
-    "quic": (None, "TCP only"),
-    "use_relay_discovery": (None, "pass the relays as trusted_relays="),
-    "check_if_identity_free": (True, "a PeerID already in use is refused in the handshake"),
-}
-
-
-def warn_libp2p_only_options(options: dict[str, Any], *, where: str = "P2P.create") -> None:
-    """One warning for each libp2p-only option given a value other than hivemind's
-    default, naming it and what swarmgrad does instead."""
-    for name, value in options.items():
-        default, instead = LIBP2P_ONLY_OPTIONS[name]
-        if value != default:
-            warnings.warn(
-                f"{where}: {name}={value!r} only configures libp2p and is ignored by "
-                f"swarmgrad ({instead})",
-                UserWarning,
-                stacklevel=3,
-            )
 
 
 def is_protobuf_type(cls: Any) -> bool:
@@ -196,7 +160,7 @@ class P2P:
         (``False``: do not relay for others), ``use_relay`` (``False``: no relays at
         all), ``persistent_conn_max_msg_size`` (largest message) and
         ``startup_timeout``. The libp2p-only options are accepted with a warning each
-        (see :data:`LIBP2P_ONLY_OPTIONS`).
+        (see :data:`swarmgrad.p2p.options.LIBP2P_ONLY_OPTIONS`).
         """
         warn_libp2p_only_options(
             dict(
