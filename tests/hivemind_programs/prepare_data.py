@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Builds, offline and in a second, what the ALBERT programs read: a small English-like
-text set, a word-level tokenizer trained on it (saved in Hugging Face's format, loadable
-with AlbertTokenizerFast), a tiny ALBERT config, and the tokenized sentence pairs with
-their sentence-order labels (ALBERT's two pre-training tasks). Needs only `tokenizers`.
+text set, a whole-word unigram tokenizer for it (in Hugging Face's format, loadable with
+AlbertTokenizerFast), a tiny ALBERT config, and the tokenized sentence pairs with their
+sentence-order labels (ALBERT's two pre-training tasks) in DATA_DIR/tokenized.json, and,
+where the `datasets` package is installed, also in DATA_DIR/albert_tokenized (the
+`load_from_disk` format hivemind's original run_trainer.py reads). Needs `tokenizers`.
 
     python prepare_data.py DATA_DIR
 """
@@ -122,6 +124,12 @@ def prepare(data_dir: str | Path, num_stories: int = 400) -> None:
                 }
             )
     (data_dir / "tokenized.json").write_text(json.dumps({"train": examples}))
+    try:  # the same examples where hivemind's original run_trainer.py looks (load_from_disk)
+        import datasets
+    except ImportError:
+        return
+    train = datasets.Dataset.from_list(examples)
+    datasets.DatasetDict({"train": train}).save_to_disk(str(data_dir / "albert_tokenized"))
 
 
 if __name__ == "__main__":

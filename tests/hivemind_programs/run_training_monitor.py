@@ -12,6 +12,7 @@ once it has logged step N or later and saved the state of that step.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -115,6 +116,7 @@ class CheckpointHandler:
 
     def upload_checkpoint(self, current_step, current_loss):
         logger.info("Saving optimizer")
+        os.makedirs(self.repo_path, exist_ok=True)
         torch.save(
             self.state_averager.optimizer.state_dict(), f"{self.repo_path}/optimizer_state.pt"
         )
