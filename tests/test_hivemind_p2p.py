@@ -331,3 +331,69 @@ def test_identity_path_keeps_the_peer_id_and_a_bad_file_is_a_daemon_error(arun, 
             await P2P.create(identity_path=str(bad))
 
     arun(main)
+
+
+def test_dht_replicate_p2p_works_from_the_programs_own_event_loop():
+    """hivemind programs get their P2P with ``await dht.replicate_p2p()`` inside their own
+    event loop: calls go through the DHT's loop, handlers run in the program's loop."""
+    from swarmgrad.dht import DHT
+    from swarmgrad.utils.timeutils import get_dht_time
+
+    with DHT(start=True) as first:
+        with DHT(start=True, initial_peers=first.get_visible_maddrs()) as second:
+
+            async def main():
+                program_loop = asyncio.get_running_loop()
+                server, client = await first.replicate_p2p(), await second.replicate_p2p()
+                assert server is await first.replicate_p2p()
+                assert server.peer_id == first.peer_id
+                loops = []
+
+                async def add(request, context):
+                    loops.append(asyncio.get_running_loop())
+                    await asyncio.sleep(0.01)  # the program's loop runs it
+                    return request + 1
+
+                async def count(request, context):
+                    for i in range(request):
+                        loops.append(asyncio.get_running_loop())
+                        yield i
+
+                async def total(requests, context):
+                    loops.append(asyncio.get_running_loop())
+                    return sum([r async for r in requests])
+
+                await server.add_protobuf_handler("add", add, None)
+                await server.add_protobuf_handler("count", count, None, stream_output=True)
+                await server.add_protobuf_handler("total", total, None, stream_input=True)
+
+                assert await client.call_protobuf_handler(first.peer_id, "add", 1, None) == 2
+                numbers = await client.iterate_protobuf_handler(first.peer_id, "count", 3, None)
+                assert [n async for n in numbers] == [0, 1, 2]
+
+                async def requests():
+                    for i in (1, 2, 3):
+                        await asyncio.sleep(0)  # a generator of the program's loop
+                        yield i
+
+                assert (
+                    await client.call_protobuf_handler(first.peer_id, "total", requests(), None)
+                    == 6
+                )
+                assert loops and all(loop is program_loop for loop in loops)
+                with pytest.raises(P2PHandlerError, match="TypeError"):
+                    await client.call_protobuf_handler(first.peer_id, "add", "x", None)
+                if EchoRequest is not None:
+                    servicer = EchoServicer()
+                    await servicer.add_p2p_handlers(server)
+                    stub = EchoServicer.get_stub(client, first.peer_id)
+                    assert (await stub.rpc_echo(EchoRequest(text="a"))).text == "A"
+                    replies = await stub.rpc_repeat(EchoRequest(text="b", repeat=2))
+                    assert [r.index async for r in replies] == [0, 1]
+                with pytest.raises(P2PDaemonError, match="event loop of the peer"):
+                    await client.call_binary_stream_handler(first.peer_id, "nothing")
+                await client.shutdown()  # a handle on the DHT's peer: the peer stays
+
+            asyncio.run(main())
+            assert second.store("still", "alive", get_dht_time() + 30)
+            assert first.get("still").value == "alive"

@@ -31,6 +31,7 @@ an error that says so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
@@ -309,6 +310,9 @@ class P2P:
         for one in-process peer and is ignored."""
         local_id = self.peer_id
         what = f"the request to handler {name!r}"
+        home = self._caller_loop()
+        if home is not None:  # run the handler in the loop of the code that registered it
+            handler = _handler_in_loop(handler, home, stream_input)
 
         def context_of(rpc_context: RPCContext) -> P2PContext:
             return P2PContext(name, local_id, rpc_context.remote_id)
@@ -355,6 +359,12 @@ class P2P:
         """Call ``name`` on ``peer_id`` with one request (or an async iterator of them)
         and return its one answer, parsed as ``output_protobuf_type``. The remote
         handler's failure raises :class:`P2PHandlerError`."""
+        home = self._caller_loop()
+        if home is not None:
+            if isinstance(input, AsyncIterable):
+                input = _pull_from(home, input)
+            call = self.call_protobuf_handler(peer_id, name, input, output_protobuf_type)
+            return await _in_loop(self._peer._loop, call)
         if isinstance(input, AsyncIterable):
             responses = await self.iterate_protobuf_handler(
                 peer_id, name, input, output_protobuf_type
@@ -375,6 +385,12 @@ class P2P:
     ) -> AsyncIterator[Any]:
         """Call ``name`` with one request or an async iterator of them; returns an async
         iterator of the answers (``await`` it, then ``async for``, as in hivemind)."""
+        home = self._caller_loop()
+        if home is not None:
+            if isinstance(input, AsyncIterable):
+                input = _pull_from(home, input)
+            call = self.iterate_protobuf_handler(peer_id, name, input, output_protobuf_type)
+            return _pull_from(self._peer._loop, await _in_loop(self._peer._loop, call))
         if isinstance(input, AsyncIterable):
             requests: Any = _encoded(input)
             stream_input = True
@@ -419,7 +435,13 @@ class P2P:
     async def call_binary_stream_handler(
         self, peer_id: PeerID, handler_name: str
     ) -> tuple[StreamInfo, StreamReader, StreamWriter]:
-        """Open a stream to ``handler_name`` on ``peer_id``: ``(info, reader, writer)``."""
+        """Open a stream to ``handler_name`` on ``peer_id``: ``(info, reader, writer)``.
+        The reader and writer belong to the peer's event loop: call this there."""
+        if self._caller_loop() is not None:
+            raise P2PDaemonError(
+                "binary streams are used in the event loop of the peer (run the code with "
+                "dht.run_coroutine, or create the P2P with P2P.create in your own loop)"
+            )
         stream = await self._peer.open_stream(peer_id, handler_name)
         info = StreamInfo(stream.remote_peer_id, None, handler_name)
         return info, StreamReader(stream), StreamWriter(stream)
@@ -433,7 +455,16 @@ class P2P:
         self._alive = False
         if self._owns_peer:
             _primaries.pop(self._daemon_listen_maddr, None)
-            await self._peer.shutdown()
+            if self._caller_loop() is None:
+                await self._peer.shutdown()
+            else:
+                await _in_loop(self._peer._loop, self._peer.shutdown())
+
+    def _caller_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The running event loop when it is not the peer's (a handle from
+        ``DHT.replicate_p2p()`` used in the program's own loop), else None."""
+        loop = asyncio.get_running_loop()
+        return None if loop is self._peer._loop else loop
 
     def __repr__(self) -> str:
         return f"P2P({self.peer_id}, alive={self.is_alive})"
@@ -464,3 +495,53 @@ async def _single(responses: AsyncIterator[Any], name: str, peer_id: PeerID) -> 
             peer=peer_id,
         )
     return answers[0]
+
+
+async def _in_loop(loop: asyncio.AbstractEventLoop, coro: Any) -> Any:
+    """Await ``coro`` run in ``loop`` (another thread's event loop); cancelling the
+    caller cancels it there too."""
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
+_EXHAUSTED = object()
+
+
+async def _next_or_exhausted(iterator: Any) -> Any:
+    try:
+        return await anext(iterator)
+    except StopAsyncIteration:
+        return _EXHAUSTED
+
+
+async def _pull_from(
+    loop: asyncio.AbstractEventLoop, source: AsyncIterable[Any]
+) -> AsyncIterator[Any]:
+    """Iterate ``source``, which lives in ``loop``, from the current loop, one item at a
+    time (each step of ``source`` runs in its own loop)."""
+    iterator = aiter(source)
+    try:
+        while (item := await _in_loop(loop, _next_or_exhausted(iterator))) is not _EXHAUSTED:
+            yield item
+    finally:
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):
+                await _in_loop(loop, aclose())
+
+
+def _handler_in_loop(
+    handler: Callable[..., Any], home: asyncio.AbstractEventLoop, stream_input: bool
+) -> Callable[..., Any]:
+    """``handler`` as called from the peer's loop but run in ``home``, the loop of the
+    program that registered it (hivemind runs handlers in the program's process)."""
+
+    def in_home(request: Any, context: P2PContext) -> Any:
+        peer_loop = asyncio.get_running_loop()
+        if stream_input:
+            request = _pull_from(peer_loop, request)
+        output = handler(request, context)
+        if isinstance(output, AsyncIterable):
+            return _pull_from(home, output)
+        return _in_loop(home, output)
+
+    return in_home
