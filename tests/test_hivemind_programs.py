@@ -1,8 +1,9 @@
 """hivemind's collaborative ALBERT setup on swarmgrad, as real processes: the training
 monitor (joining with an identity imported from a hivemind RSA identity file) and two
 trainers written against hivemind's API (tests/hivemind_programs/), on a tiny ALBERT and
-an offline text set, to global epoch 3. The monitor must log the swarm's loss for each
-step and save the state it downloads from the trainers. Writes
+an offline text set, to global epoch 3. The trainers must average their gradients with
+each other, and the monitor must log the swarm's loss for each step it sees and save the
+state it downloads from the trainers. Writes
 benchmarks/results/albert_epochs.json for benchmarks/hivemind_api.py."""
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def test_two_trainers_and_the_monitor_reach_global_epoch_3(tmp_path):
                 "--seed", str(i),
                 "--per_device_train_batch_size", "8",
                 "--gradient_accumulation_steps", "1",
-                "--target_batch_size", "48",
+                "--target_batch_size", "128",
                 "--matchmaking_time", "1.5",
                 "--averaging_timeout", "10",
                 "--warmup_steps", "2",
@@ -166,6 +167,10 @@ def test_two_trainers_and_the_monitor_reach_global_epoch_3(tmp_path):
         assert monitor.process.wait(30) == 0, monitor.output()
         for trainer in trainers:
             trainer.wait_for(re.compile(rf"\] Step #([{TARGET_EPOCH}-9]|\d\d+)$"), 60)
+        # the two trainers train together: their gradients are averaged (a trainer that
+        # started first may run a few epochs alone; both keep training until stopped)
+        for trainer in trainers:
+            trainer.wait_for(re.compile("averaged gradients with 2 peers"), 60)
     finally:
         codes = [program.stop() for program in (*trainers, monitor)]
     log = monitor.output()
