@@ -20,6 +20,7 @@ from swarmgrad.p2p import (
     ServicerBase,
     StubBase,
 )
+from swarmgrad.utils.rsa import RSAPrivateKey
 
 try:
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -329,6 +330,13 @@ def test_identity_path_keeps_the_peer_id_and_a_bad_file_is_a_daemon_error(arun, 
         bad.write_bytes(b"not an identity")
         with pytest.raises(P2PDaemonError, match=r"bad\.key"):
             await P2P.create(identity_path=str(bad))
+        rsa = tmp_path / "hivemind.key"  # hivemind's RSA identity: convert it first
+        der = RSAPrivateKey().to_bytes()
+        rsa.write_bytes(b"\x08\x00\x12" + bytes([len(der) & 0x7F | 0x80, len(der) >> 7]) + der)
+        with pytest.raises(P2PDaemonError, match="swarmgrad identity import"):
+            await P2P.create(identity_path=str(rsa))
+        with pytest.raises(TypeError, match="use_quantum_relay"):
+            await P2P.create(use_quantum_relay=True)
 
     arun(main)
 
