@@ -22,10 +22,17 @@ not libp2p's: a hivemind peer and a swarmgrad peer cannot call each other, progr
 the peer lives in this process's event loop). hivemind's ``P2P.replicate(maddr)`` opens a
 second handle to a running daemon, typically from a child process. swarmgrad has no
 daemon and no child processes (one process, one peer), so ``replicate`` returns another
-handle to the peer started in *this* process under that ``daemon_listen_maddr``, in the
-same event loop: it shares the peer's handlers and connections, and shutting it down
-closes only the handle, never the peer. Asking for one from another process or loop is
-an error that says so.
+handle to the peer started in *this* process under that ``daemon_listen_maddr``: it
+shares the peer's handlers and connections, and shutting it down closes only the handle,
+never the peer. Asking for a peer of another process is an error that says so.
+``DHT.replicate_p2p()`` gives such a handle on a DHT's peer.
+
+**Event loops.** A handle may be used from any event loop, not only the peer's (a DHT's
+peer runs in swarmgrad's loop thread, while a hivemind program awaits
+``dht.replicate_p2p()`` in its own loop): calls are forwarded to the peer's loop, and a
+handler registered from another loop runs in that loop, as hivemind runs handlers in the
+program's process; streamed requests and answers cross between the loops one at a time.
+Binary streams are the exception: their reader and writer belong to the peer's loop.
 """
 
 from __future__ import annotations
@@ -93,11 +100,6 @@ def _decode(body: Any, message_type: Any, what: str) -> Any:
         return message_type.FromString(bytes(body))
     except _DecodeError as e:
         raise ValidationError(f"{what} does not parse as {message_type.__name__}: {e}") from None
-
-
-async def _as_aiter(*items: Any) -> AsyncIterator[Any]:
-    for item in items:
-        yield item
 
 
 _handles = itertools.count()
@@ -236,10 +238,6 @@ class P2P:
                 f"no running peer of this process listens at {daemon_listen_maddr}: swarmgrad "
                 f"has no daemon, so P2P.replicate only opens another handle to a peer created "
                 f"with P2P.create in the same process"
-            )
-        if asyncio.get_running_loop() is not primary._peer._loop:
-            raise P2PDaemonError(
-                "P2P.replicate must run in the event loop of the peer it replicates"
             )
         return cls(primary._peer, owns_peer=False, daemon_listen_maddr=str(daemon_listen_maddr))
 
