@@ -270,6 +270,10 @@ def test_replicate_is_another_handle_to_the_same_peer_that_outlives_it(arun):
         try:
             replica = await P2P.replicate(server.daemon_listen_maddr)
             assert replica.peer_id == server.peer_id
+            of_peer = await P2P.replicate(server.peer)  # a handle on a swarmgrad Peer
+            assert of_peer.peer is server.peer
+            await of_peer.shutdown()
+            assert server.is_alive
 
             async def ping(request, context):
                 return "pong"

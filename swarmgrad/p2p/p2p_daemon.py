@@ -229,9 +229,12 @@ class P2P:
         await asyncio.gather(*(dial(m) for m in initial_peers))
 
     @classmethod
-    async def replicate(cls, daemon_listen_maddr: Multiaddr | str) -> P2P:
+    async def replicate(cls, daemon_listen_maddr: Multiaddr | str | Peer) -> P2P:
         """Another handle to the peer that :meth:`create` started in this process under
-        ``daemon_listen_maddr`` (see the module docstring)."""
+        ``daemon_listen_maddr`` (see the module docstring); given a swarmgrad
+        :class:`~swarmgrad.net.peer.Peer` itself, a handle to that peer."""
+        if isinstance(daemon_listen_maddr, Peer):
+            return cls.from_peer(daemon_listen_maddr)
         primary = _primaries.get(str(daemon_listen_maddr))
         if primary is None or not primary.is_alive:
             raise P2PDaemonError(
