@@ -9,6 +9,7 @@ from swarmgrad.cli import (
     authority_command,
     demo_command,
     dht_command,
+    identity_command,
     monitor_command,
     server_command,
     train_command,
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     monitor_command.add_parser(commands)
     demo_command.add_parser(commands)
     authority_command.add_parser(commands)
+    identity_command.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

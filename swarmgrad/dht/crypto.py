@@ -57,9 +57,14 @@ import threading
 from swarmgrad.dht.validation import DHTRecord, RecordValidatorBase
 from swarmgrad.net.identity import Identity, verify_signature
 from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.rsa import PrivateKey, PublicKey, RSAPrivateKey, RSAPublicKey
 
 __all__ = [
     "Ed25519SignatureValidator",
+    "PrivateKey",
+    "PublicKey",
+    "RSAPrivateKey",
+    "RSAPublicKey",
     "RSASignatureValidator",
     "owner_marker",
     "record_signing_payload",
@@ -282,9 +287,20 @@ class RSASignatureValidator(Ed25519SignatureValidator):
     """hivemind's name for :class:`Ed25519SignatureValidator`, so that scripts written for
     hivemind keep working after changing the import.
 
-    Despite the name there is no RSA here: records are owned by ed25519 keys (the peer's
-    identity type), with the markers and signatures described in :mod:`swarmgrad.dht.crypto`.
+    Records are owned by ed25519 keys (the peer's identity type), with the markers and
+    signatures described in :mod:`swarmgrad.dht.crypto`. ``private_key`` may be hivemind's
+    :class:`~swarmgrad.utils.rsa.RSAPrivateKey` (``RSASignatureValidator(private_key=k)``):
+    the records are then owned by the ed25519 key derived from it
+    (:meth:`~swarmgrad.utils.rsa.RSAPrivateKey.ed25519_seed`), the same in every process
+    and on every machine that holds ``k``, so a program that pickles its RSA key to helper
+    processes or reloads it keeps owning its records. A swarmgrad :class:`Identity` is
+    accepted too; without either, the process-wide identity signs.
     """
+
+    def __init__(self, private_key: RSAPrivateKey | Identity | None = None):
+        if isinstance(private_key, RSAPrivateKey):
+            private_key = Identity.from_seed(private_key.ed25519_seed())
+        super().__init__(private_key)
 
 
 def _refuse(record: DHTRecord, reason: str) -> bool:

@@ -19,6 +19,8 @@ from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.dht.validation import RecordValidatorBase
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.peer import Peer
+from swarmgrad.p2p import P2P
+from swarmgrad.p2p.options import LIBP2P_ONLY_OPTIONS, warn_libp2p_only_options
 from swarmgrad.utils.errors import PeerUnreachable, ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
 
@@ -81,9 +83,12 @@ class DHT:
         self.startup_timeout, self.shutdown_timeout = startup_timeout, shutdown_timeout
         self._validators = list(record_validators)
         self._peer_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _PEER_OPTIONS}
+        libp2p_only = {k: kwargs.pop(k) for k in list(kwargs) if k in LIBP2P_ONLY_OPTIONS}
+        warn_libp2p_only_options(libp2p_only, where="DHT")
         self._node_kwargs = kwargs
         self.peer: Peer | None = None
         self.node: DHTNode | None = None
+        self._p2p: P2P | None = None
         if start:
             self.run_in_background(await_ready=await_ready)
 
@@ -169,6 +174,15 @@ class DHT:
     def get_visible_maddrs(self, latest: bool = False) -> list[Multiaddr]:
         """Addresses other peers can use to reach this one (relayed ones in client mode)."""
         return self._running().get_visible_maddrs()
+
+    async def replicate_p2p(self) -> P2P:
+        """A :class:`~swarmgrad.p2p.P2P` handle on this DHT's peer, for custom protocols
+        written the hivemind way (``await servicer.add_p2p_handlers(p2p)``, stubs). It may
+        be used from the program's own event loop: calls go through the peer's loop and
+        handlers registered from that loop run in it."""
+        if self._p2p is None or self._p2p.peer is not self._running():
+            self._p2p = P2P.from_peer(self._running())
+        return self._p2p
 
     def _running(self) -> Peer:
         if self.peer is None or self.node is None:

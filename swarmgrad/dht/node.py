@@ -699,9 +699,10 @@ class DHTNode:
             for remote in results:
                 for index, error in zip(indices, remote, strict=True):
                     stored[index] |= error is None
-            if self.cache_on_store:
-                for index in indices:
-                    self._store_in_cache(items[index])
+            if self.cache_on_store:  # only what some replica accepted: a refused
+                for index in indices:  # record must not be served from our cache
+                    if stored[index]:
+                        self._store_in_cache(items[index])
 
         await asyncio.gather(*(replicate(key_id, ix) for key_id, ix in by_key_id.items()))
         outcome: dict[Any, bool] = {}

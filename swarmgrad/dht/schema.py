@@ -27,6 +27,10 @@ Rules, applied to the record's deserialized key, subkey and value:
   expiration would otherwise hide every entry of a dictionary key.
 * **Sequences** travel as msgpack arrays and come back as lists: declare ``list[...]``
   fields (a ``tuple[...]`` field refuses lists in strict mode).
+* **pydantic.v1 models** (hivemind's schemas: ``conint(strict=True)``, ``StrictFloat``,
+  ``conbytes``...) are accepted too: each field validates the value with v1's own rules,
+  and a value v1 would have converted (``"1"`` for an ``int``, ``True`` for an ``int``)
+  is refused, as in hivemind. :data:`BytesWithPublicKey` works in both kinds of model.
 * **Other keys** are accepted when ``allow_extra_keys`` is True, refused otherwise.
 
 Two schema validators merge into one (the DHT does this when validators are added): a
@@ -43,8 +47,14 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import pydantic
-from pydantic import AfterValidator, Strict, TypeAdapter
+from pydantic import TypeAdapter
 from pydantic.fields import FieldInfo
+from pydantic_core import core_schema
+
+try:  # hivemind's schemas are pydantic.v1 models (pydantic 2 ships v1 as pydantic.v1)
+    import pydantic.v1 as pydantic_v1
+except ImportError:  # pragma: no cover - pydantic builds without the v1 shim
+    pydantic_v1 = None
 
 from swarmgrad.dht.crypto import Ed25519SignatureValidator
 from swarmgrad.dht.validation import (
@@ -69,9 +79,28 @@ def _require_owner_marker(value: bytes) -> bytes:
     return value
 
 
-BytesWithPublicKey = Annotated[bytes, Strict(), AfterValidator(_require_owner_marker)]
-"""Bytes that contain a well-formed owner marker, e.g. a subkey that only its owner may
-write (with :class:`~swarmgrad.dht.crypto.Ed25519SignatureValidator` enforcing it)."""
+class BytesWithPublicKey(bytes):
+    """Bytes that contain a well-formed owner marker, e.g. a subkey that only its owner may
+    write (with :class:`~swarmgrad.dht.crypto.Ed25519SignatureValidator` enforcing it).
+
+    A type for both pydantic v2 models and ``pydantic.v1`` models (hivemind's schemas are
+    v1): each finds its own validation hook here. Values stay plain ``bytes``."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        return core_schema.no_info_after_validator_function(
+            _require_owner_marker, core_schema.bytes_schema(strict=True)
+        )
+
+    @classmethod
+    def __get_validators__(cls):  # pydantic.v1
+        yield cls._validate_v1
+
+    @classmethod
+    def _validate_v1(cls, value: Any) -> bytes:
+        if not isinstance(value, bytes):
+            raise TypeError(f"expected bytes with an owner marker, got {type(value).__name__}")
+        return _require_owner_marker(value)
 
 
 @dataclass(frozen=True)
@@ -83,12 +112,37 @@ class _KeyType:
     field: str
     adapter: TypeAdapter = field(compare=False)
 
-    def accepts(self, value: Any) -> bool:
+    def mismatch(self, value: Any) -> str | None:
+        """Why ``value`` does not fit this field, or None if it does."""
         try:
             self.adapter.validate_python(value, strict=True)
-        except pydantic.ValidationError:
-            return False
-        return True
+        except pydantic.ValidationError as e:
+            return _first_error(e.errors())
+        return None
+
+
+@dataclass(frozen=True)
+class _V1KeyType:
+    """A field of a ``pydantic.v1`` model (hivemind's schemas): validated by the field
+    itself, then refused if pydantic had to convert anything (``"1"`` for an int, ``1.5``
+    for a str...), so that v1 schemas are as strict as v2 ones."""
+
+    key: str
+    model: type
+    field: str
+    model_field: Any = field(compare=False)
+
+    def mismatch(self, value: Any) -> str | None:
+        parsed, errors = self.model_field.validate(value, {}, loc=self.field, cls=self.model)
+        if errors:
+            flat = pydantic_v1.ValidationError([errors], self.model).errors()
+            return _first_error(flat)
+        plain = self.model.construct(**{self.field: parsed}).dict(
+            include={self.field}, exclude_unset=True
+        )
+        if not _same_value(plain[self.field], value):
+            return f"the value needed a type conversion to fit (got {value!r})"
+        return None
 
 
 class SchemaValidator(RecordValidatorBase):
@@ -105,14 +159,20 @@ class SchemaValidator(RecordValidatorBase):
         allow_extra_keys: bool = True,
         prefix: str | None = None,
     ):
-        if not (isinstance(schema, type) and issubclass(schema, pydantic.BaseModel)):
+        is_v1 = _is_v1_model(schema)
+        if not (is_v1 or (isinstance(schema, type) and issubclass(schema, pydantic.BaseModel))):
             raise ValidationError(
-                f"SchemaValidator needs a pydantic.BaseModel subclass, got {schema!r}"
+                f"SchemaValidator needs a pydantic.BaseModel (or pydantic.v1.BaseModel) "
+                f"subclass, got {schema!r}"
             )
         if prefix is not None and not isinstance(prefix, str):
             raise ValidationError(f"the schema prefix must be a str, got {type(prefix).__name__}")
-        key_types: dict[bytes, tuple[_KeyType, ...]] = {}
-        for name, info in schema.model_fields.items():
+        key_types: dict[bytes, tuple[_KeyType | _V1KeyType, ...]] = {}
+        if is_v1:
+            for name, model_field in schema.__fields__.items():
+                key = f"{prefix}_{model_field.alias}" if prefix is not None else model_field.alias
+                key_types[serialize(key)] = (_V1KeyType(key, schema, name, model_field),)
+        for name, info in () if is_v1 else schema.model_fields.items():
             field_key = info.alias or name
             key = f"{prefix}_{field_key}" if prefix is not None else field_key
             try:
@@ -153,11 +213,13 @@ class SchemaValidator(RecordValidatorBase):
                 candidate = value
             else:
                 candidate = {deserialize(record.subkey): value}
+            reasons = []
             for key_type in key_types:
-                if key_type.accepts(candidate):
+                reason = key_type.mismatch(candidate)
+                if reason is None:
                     return True
-            expected = " or ".join(f"{t.model.__name__}.{t.field}" for t in key_types)
-            return _refuse(record, f"the value does not match {expected}")
+                reasons.append(f"{key_type.model.__name__}.{key_type.field}: {reason}")
+            return _refuse(record, f"the value does not match {'; '.join(reasons)}")
         except ValidationError as e:
             return _refuse(record, str(e))
         except Exception as e:  # unhashable subkey, a user-defined type check that raised...
@@ -183,6 +245,44 @@ class SchemaValidator(RecordValidatorBase):
     def __repr__(self) -> str:
         names = ", ".join(schema.__name__ for schema in self._schemas)
         return f"SchemaValidator([{names}], allow_extra_keys={self._allow_extra_keys})"
+
+
+def _is_v1_model(schema: Any) -> bool:
+    return (
+        pydantic_v1 is not None
+        and isinstance(schema, type)
+        and issubclass(schema, pydantic_v1.BaseModel)
+    )
+
+
+def _first_error(errors: list[dict]) -> str:
+    if not errors:
+        return "invalid value"
+    error = errors[0]
+    where = ".".join(str(part) for part in error.get("loc", ()))
+    return f"{where}: {error.get('msg', 'invalid value')}" if where else str(error.get("msg"))
+
+
+def _same_value(parsed: Any, original: Any) -> bool:
+    """Equal and of the same types all the way down (an int is fine for a float)."""
+    if isinstance(original, dict):
+        return (
+            isinstance(parsed, dict)
+            and len(parsed) == len(original)
+            and all(
+                _same_value(pk, ok) and _same_value(pv, ov)
+                for (pk, pv), (ok, ov) in zip(parsed.items(), original.items(), strict=True)
+            )
+        )
+    if isinstance(original, list | tuple):
+        return (
+            isinstance(parsed, list | tuple)
+            and len(parsed) == len(original)
+            and all(_same_value(p, o) for p, o in zip(parsed, original, strict=True))
+        )
+    if type(original) is int and type(parsed) is float:
+        return parsed == original
+    return type(parsed) is type(original) and parsed == original
 
 
 def _field_type(info: FieldInfo) -> Any:

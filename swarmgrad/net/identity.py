@@ -447,6 +447,12 @@ class Identity:
             raise IdentityFileError(
                 f"{source} is not a libp2p private key (truncated or garbage protobuf: {e})"
             ) from None
+        if key_type == 0:  # RSA: hivemind's identity files
+            raise IdentityFileError(
+                f"{source} holds a RSA private key (a hivemind identity file?); swarmgrad "
+                "needs an Ed25519 key: convert it once with `swarmgrad identity import "
+                "<hivemind file> <new file>`, which keeps the peer's identity stable"
+            )
         if key_type != _ED25519:
             raise IdentityFileError(
                 f"{source} holds a {_key_type_name(key_type)} private key; swarmgrad needs "

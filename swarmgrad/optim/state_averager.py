@@ -50,7 +50,10 @@ from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
-__all__ = ["TrainingStateAverager"]
+# hivemind's name for the base class of torch's LR schedulers (programs subclass it)
+LRSchedulerBase = torch.optim.lr_scheduler.LRScheduler
+
+__all__ = ["LRSchedulerBase", "TrainingStateAverager"]
 
 logger = logging.getLogger(__name__)
 

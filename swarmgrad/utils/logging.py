@@ -11,7 +11,12 @@ import logging
 import sys
 from typing import TextIO
 
-__all__ = ["ROOT_LOGGER_NAME", "get_logger", "use_swarmgrad_log_handler"]
+__all__ = [
+    "ROOT_LOGGER_NAME",
+    "get_logger",
+    "use_hivemind_log_handler",
+    "use_swarmgrad_log_handler",
+]
 
 ROOT_LOGGER_NAME = "swarmgrad"
 
@@ -60,3 +65,29 @@ def use_swarmgrad_log_handler(
     root.setLevel(level)
     root.propagate = False
     return handler
+
+
+def use_hivemind_log_handler(where: str) -> None:
+    """hivemind's switch (minimal here; the hivemind-compatibility branch has the full
+    one): ``"in_hivemind"`` prints swarmgrad's records, ``"in_root_logger"`` prints every
+    record of the program (the readable handler on the root logger), ``"nowhere"`` leaves
+    logging to the application."""
+    ours, root = logging.getLogger(ROOT_LOGGER_NAME), logging.getLogger()
+    for logger in (ours, root):
+        for handler in list(logger.handlers):
+            if isinstance(handler, _SwarmgradHandler):
+                logger.removeHandler(handler)
+    if where == "in_hivemind":
+        use_swarmgrad_log_handler(logging.INFO)
+    elif where == "in_root_logger":
+        handler = _SwarmgradHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        ours.propagate = True
+    elif where == "nowhere":
+        ours.propagate = True
+    else:
+        raise ValueError(
+            f"unknown log handler mode {where!r}; expected in_hivemind, in_root_logger or nowhere"
+        )
