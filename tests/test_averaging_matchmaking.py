@@ -4,26 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import threading
 import zlib
 from collections import Counter
+from pathlib import Path
 
 import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmgrad.averaging.matchmaking import (
+from swarmgrad.averaging.matchmaking.driver import (
     JOIN_GROUP,
     Matchmaking,
     Rejection,
     _pack_gathered,
     _parse_group,
 )
-from swarmgrad.averaging.moshpit_sim import build_dht_swarm
 from swarmgrad.net.identity import Identity
 from swarmgrad.net.sim import run_simulation
 from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from moshpit_sim import build_dht_swarm
 
 
 async def make_swarm(network, num_peers, *, seed=0, bits=None, client=(), **kwargs):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmgrad.averaging.partition import (
+from swarmgrad.averaging.allreduce.partition import (
     TensorPartContainer,
     TensorPartReducer,
     tensor_schema,

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,13 +21,16 @@ import torch
 from swarmgrad.averaging.allreduce import AllReduceRunner, AveragingMode
 from swarmgrad.averaging.averager import DecentralizedAverager
 from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager
-from swarmgrad.averaging.gossip import GossipAverager
-from swarmgrad.averaging.moshpit_sim import build_dht_swarm
+from swarmgrad.averaging.gossip.averager import GossipAverager
 from swarmgrad.averaging.step_control import AveragingStage
 from swarmgrad.dht import DHT
 from swarmgrad.net.sim import run_simulation
 from swarmgrad.utils.errors import SwarmgradError, ValidationError
 from tests.test_averaging_allreduce import FAST, make_group, make_peers, open_raw, sender_hello
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from moshpit_sim import build_dht_swarm
 
 NODE, CLIENT = AveragingMode.NODE, AveragingMode.CLIENT
 

@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.allreduce import AllReduceResult, AveragingMode
-from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager, check_averaged_tensors
-from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES
-from swarmgrad.averaging.state_chunks import resolve_state_compression
+from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES
+from swarmgrad.averaging.allreduce.types import AllReduceResult, AveragingMode
+from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager
+from swarmgrad.averaging.rounds import check_averaged_tensors
+from swarmgrad.averaging.state.chunks import resolve_state_compression
 from swarmgrad.averaging.step_control import StepControl
 from swarmgrad.compression import CompressionBase, CompressionType, NoCompression
 from swarmgrad.dht.dht import DHT
@@ -86,7 +87,7 @@ class DecentralizedAverager:
       next_chunk_timeout: default for sender_timeout, and the wait for each chunk when
         downloading state.
       sender_timeout / reducer_timeout: fixed waits for the next part from a sender or
-        an owner; default: adaptive to the throughput seen (see :mod:`.deadlines`).
+        an owner; default: adaptive to the throughput seen (see :mod:`.allreduce.deadlines`).
       compression: codec for parts on the wire (both directions).
       state_compression: codec applied to the floating-point tensors of the state this
         peer shares (e.g. ``Float16Compression()``: joiners download half the bytes and
@@ -109,11 +110,13 @@ class DecentralizedAverager:
         the plain all-reduce, for averaging in several phases, and the text that keeps
         peers with another one apart; see
         :class:`~.averager_core.AsyncDecentralizedAverager`); ``aggregation`` (a robust
-        rule, :class:`~.robust.CenteredClip` or :class:`~.robust.TrimmedMean`, applied by
-        each span's owner; members must use the same), ``ban_after``,
+        rule, :class:`~.robust.rules.CenteredClip` or
+        :class:`~.robust.rules.TrimmedMean`, applied by each span's owner; members must
+        use the same), ``ban_after``,
         ``ban_window`` and ``ban_duration`` (exclude a peer from our groups for
         ``ban_duration`` s once it offended in ``ban_after`` of the last ``ban_window``
-        rounds it took part in with us, :mod:`.offenders`); ``daemon`` is accepted and ignored.
+        rounds it took part in with us, :mod:`.robust.offenders`); ``daemon`` is accepted
+        and ignored.
     """
 
     def __init__(
@@ -306,7 +309,7 @@ class DecentralizedAverager:
 
     def follow_bans_of(self, other: DecentralizedAverager) -> None:
         """Leave out of our groups whoever ``other`` has banned, as well as our own bans
-        (both averagers running): see :meth:`.offenders.OffenderLog.follow`."""
+        (both averagers running): see :meth:`.robust.offenders.OffenderLog.follow`."""
         self._running().offenders.follow(other._running().offenders)
 
     def get_group_bits(self) -> str:
@@ -320,7 +323,7 @@ class DecentralizedAverager:
         ``wait`` is accepted for hivemind compatibility."""
         core = self._core
         if core is None:
-            from swarmgrad.averaging.group_bits import validate_group_bits
+            from swarmgrad.averaging.matchmaking.group_bits import validate_group_bits
 
             self._options["initial_group_bits"] = validate_group_bits(group_bits)
         else:

@@ -6,14 +6,14 @@ that owns a peer and a DHT node (e.g. on the simulated network).
 
 One step, as long as its deadline and ``allow_retries`` allow:
 
-1. **Matchmaking** (:mod:`.matchmaking`) under the current group key, announcing a
-   :class:`~.round_plan.MemberInfo`: mode, bandwidth, weight, tensor schema, addresses and
+1. **Matchmaking** (:mod:`.matchmaking.driver`) under the current group key, announcing a
+   :class:`~.allreduce.round_plan.MemberInfo`: mode, bandwidth, weight, tensor schema, addresses and
    the user's ``gather`` data. Matchmaking moves the group bits to the next Moshpit axis
    as soon as a group is formed.
-2. **Plan** (:func:`~.round_plan.plan_round`): every member derives the same plan from the
+2. **Plan** (:func:`~.allreduce.round_plan.plan_round`): every member derives the same plan from the
    same GroupInfo: who takes part, their modes and their spans.
 3. **Trigger**: with ``require_trigger``, wait for ``control.allow_allreduce()``.
-4. **All-reduce** (:class:`~.allreduce.AllReduceRunner`) in place on the tensors, holding
+4. **All-reduce** (:class:`~.allreduce.runner.AllReduceRunner`) in place on the tensors, holding
    their lock for the whole round (taken in a worker thread, see :mod:`.tensor_lock`).
    The runner applies ``averaging_alpha`` and only ever writes whole, checked spans.
    With ``aggregate`` (a coroutine function), step 4 is that coroutine instead: it gets
@@ -24,7 +24,7 @@ One step, as long as its deadline and ``allow_retries`` allow:
 
 A step returns the members' ``gather`` data when the round averaged something with
 someone (spans of failed owners stay local, excluded senders are left out: see
-:class:`~.allreduce.AllReduceResult`, kept in :attr:`last_result`); otherwise it retries
+:class:`~.allreduce.types.AllReduceResult`, kept in :attr:`last_result`); otherwise it retries
 with a new group, or returns None. A failed round leaves the tensors as they were, or
 partly averaged span by span; never half a span.
 
@@ -36,42 +36,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
 import random
-import re
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from swarmgrad.averaging.allreduce import (
-    AllReduceResult,
-    AllReduceRouter,
-    AllReduceRunner,
-    AveragingMode,
-    GroupMismatch,
-)
-from swarmgrad.averaging.deadlines import AdaptiveTimeouts
-from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.matchmaking import Matchmaking
-from swarmgrad.averaging.offenders import OffenderLog
-from swarmgrad.averaging.pacing import SendPacer
-from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES, tensor_schema
-from swarmgrad.averaging.robust import AggregationRule
-from swarmgrad.averaging.round_plan import (
+from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
+from swarmgrad.averaging.allreduce.pacing import SendPacer
+from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES, tensor_schema
+from swarmgrad.averaging.allreduce.round_plan import (
     RoundPlan,
     RoundSkipped,
     check_aggregate_tag,
     encode_member_info,
     plan_round,
 )
-from swarmgrad.averaging.state_chunks import resolve_state_compression
-from swarmgrad.averaging.state_download import load_state_from_peers
-from swarmgrad.averaging.state_sharing import StateSharing
+from swarmgrad.averaging.allreduce.router import AllReduceRouter
+from swarmgrad.averaging.allreduce.runner import AllReduceRunner
+from swarmgrad.averaging.allreduce.types import AllReduceResult, AveragingMode, GroupMismatch
+from swarmgrad.averaging.group_info import GroupInfo
+from swarmgrad.averaging.matchmaking.driver import Matchmaking
+from swarmgrad.averaging.robust.offenders import OffenderLog
+from swarmgrad.averaging.robust.rules import AggregationRule
+from swarmgrad.averaging.rounds import AveragingRound, PhaseResult, check_averaged_tensors
+from swarmgrad.averaging.state.chunks import resolve_state_compression
+from swarmgrad.averaging.state.download import load_state_from_peers
+from swarmgrad.averaging.state.sharing import StateSharing
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.averaging.tensor_lock import LoopLockHolder
 from swarmgrad.compression import CompressionBase, CompressionType, get_codec
@@ -80,49 +74,12 @@ from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
 from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
-__all__ = ["AsyncDecentralizedAverager", "AveragingRound", "PhaseResult"]
+__all__ = ["AsyncDecentralizedAverager", "AveragingRound", "PhaseResult", "check_averaged_tensors"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_GROUP_SIZE = 256  # target_group_size=None: as many as matchmaking gathers
-_AVERAGEABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MIN_SEARCH_WINDOW = 30.0  # seconds one matchmaking attempt lasts when a step has no timeout
-_PHASE_TAG = b"swarmgrad.averaging.phase:"
-_PHASE_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
-
-
-def check_averaged_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors as given, after checking that they can be averaged in place."""
-    if isinstance(tensors, torch.Tensor):
-        raise ValidationError("averaged_tensors must be a sequence of tensors, not one tensor")
-    checked = list(tensors)
-    for i, tensor in enumerate(checked):
-        if not isinstance(tensor, torch.Tensor):
-            raise ValidationError(f"averaged tensor {i} is a {type(tensor).__name__}")
-        if tensor.dtype not in _AVERAGEABLE:
-            raise ValidationError(
-                f"averaged tensor {i} has dtype {tensor.dtype}; only float16, bfloat16, "
-                "float32 and float64 tensors can be averaged"
-            )
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-            raise ValidationError(f"averaged tensor {i} must be a dense CPU tensor")
-        if not tensor.is_contiguous():
-            raise ValidationError(
-                f"averaged tensor {i} (shape {list(tensor.shape)}) is not contiguous; it is "
-                "averaged in place, so pass a contiguous tensor"
-            )
-        if tensor.grad_fn is not None:
-            raise ValidationError(
-                f"averaged tensor {i} is the result of an operation (it has a grad_fn); "
-                "pass parameters or other leaf tensors"
-            )
-    # With nothing to average every round "averages nothing with anyone", so each step
-    # would search and fail until its timeout: refuse it here, where the mistake is.
-    if sum(tensor.numel() for tensor in checked) == 0:
-        raise ValidationError(
-            f"averaged_tensors hold no elements ({len(checked)} tensors): nothing to average"
-        )
-    return checked
 
 
 def _optional_positive(name: str, value: Any) -> float | None:
@@ -152,11 +109,12 @@ class AsyncDecentralizedAverager:
     ``averaged_tensors``) with ``aggregate_tag`` (short text naming what it computes and
     with which settings, e.g. ``"PowerSGD rank 4 ..."``: announced in matchmaking, so
     that only members with the same tag average together, see
-    :mod:`~.round_plan`), ``lock`` (the tensors' reentrant lock),
-    ``timeouts`` (an :class:`~.deadlines.AdaptiveTimeouts` template), ``max_gather_bytes``,
+    :mod:`~.allreduce.round_plan`), ``lock`` (the tensors' reentrant lock),
+    ``timeouts`` (an :class:`~.allreduce.deadlines.AdaptiveTimeouts` template),
+    ``max_gather_bytes``,
     ``rotate_group_bits``, ``state_sharing_options`` and ``state_download_options``
-    (keyword arguments of :class:`~.state_sharing.StateSharing` and
-    :class:`~.state_download.StateDownloader`), ``rng``.
+    (keyword arguments of :class:`~.state.sharing.StateSharing` and
+    :class:`~.state.download.StateDownloader`), ``rng``.
 
     Call :meth:`start` on the loop; ``await step(...)``; ``await shutdown()``.
     """
@@ -702,134 +660,6 @@ class AsyncDecentralizedAverager:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.peer.peer_id}, prefix={self.prefix!r})"
-
-
-@dataclass(frozen=True)
-class PhaseResult:
-    """One all-reduce of an :class:`AveragingRound`: what the runner did, and for each
-    tensor of the phase whether it now holds the group's average in full (every span it
-    overlaps was averaged; always False on an auxiliary peer, whose tensors never
-    change). Members that hold a tensor in full hold the same values."""
-
-    result: AllReduceResult
-    averaged: tuple[bool, ...]
-
-
-class AveragingRound:
-    """A formed group, handed to a custom ``aggregate`` coroutine (see
-    :class:`AsyncDecentralizedAverager`) while the averaged tensors' lock is held.
-
-    ``tensors`` are the averager's tensors; ``weight`` is the step's weight;
-    ``contributes`` is False on an auxiliary peer. :meth:`allreduce` averages any
-    tensors (the same shapes and dtypes on every member) in this group; each call is a
-    *phase* with a name unique within the round, which every member must run in the
-    same order with the same tensor shapes. Phases share the round's deadline and use
-    the averager's part size, codec and ``averaging_alpha``.
-
-    A member that has not yet started a phase when another member's parts for it
-    arrive is waited for (the router's grace, a few seconds); one that never starts it
-    is dropped from that phase like a failed member, so a member that skips a phase
-    costs the others only its spans of that phase.
-    """
-
-    def __init__(
-        self,
-        core: AsyncDecentralizedAverager,
-        plan: RoundPlan,
-        weight: float,
-        deadline: float | None,
-    ):
-        self._core = core
-        self.plan = plan
-        self.weight = float(weight)
-        self.contributes = core.mode is not AveragingMode.AUX
-        self.tensors: Sequence[torch.Tensor] = tuple(core._detached)
-        self._deadline = deadline
-        self._phases: dict[str, PhaseResult | None] = {}
-
-    async def allreduce(
-        self, tensors: Sequence[torch.Tensor], *, phase: str, weight: float | None = None
-    ) -> PhaseResult:
-        """Average ``tensors`` in place in this group with ``weight`` (default: the
-        round's). Spans that could not be averaged keep their local values."""
-        if not isinstance(phase, str) or not _PHASE_NAME.fullmatch(phase):
-            raise ValidationError(f"phase must be 1-32 letters, digits, '_' or '-', got {phase!r}")
-        if phase in self._phases:
-            raise ValidationError(f"phase {phase!r} already ran in this round")
-        self._phases[phase] = None
-        tensors = check_averaged_tensors(tensors)
-        plan, group = self.plan, self.plan.group
-        digest = hashlib.sha256(_PHASE_TAG + group.group_id + phase.encode()).digest()
-        phase_group = GroupInfo(digest[: len(group.group_id)], group.peer_ids, group.gathered)
-        spans = plan.span_sizes_for(sum(t.numel() for t in tensors), self._core.min_vector_size)
-        budget = None
-        if self._deadline is not None:
-            budget = self._deadline - asyncio.get_running_loop().time()
-        if budget is not None and budget <= 0:
-            result = AllReduceResult(
-                group_id=phase_group.group_id,
-                averaged_spans=frozenset(),
-                local_spans=frozenset(
-                    j for j, size in enumerate(spans) if size and self.contributes
-                ),
-                deadline_exceeded=True,
-            )
-        else:
-            weight = self.weight if weight is None else weight
-            runner = self._core._runner(plan, phase_group, tensors, spans, weight, budget)
-            result = await runner.run()
-        averaged = (
-            _tensors_averaged(tensors, spans, result.averaged_spans)
-            if self.contributes
-            else (False,) * len(tensors)
-        )
-        outcome = PhaseResult(result, averaged)
-        self._phases[phase] = outcome
-        return outcome
-
-    def merged_result(self) -> AllReduceResult | None:
-        """The round as one result: a span counts as averaged if no phase kept it local
-        and one averaged it. None if no phase ran."""
-        results = [p.result for p in self._phases.values() if p is not None]
-        if not results:
-            return None
-        local = frozenset().union(*(r.local_spans for r in results))
-        averaged = frozenset().union(*(r.averaged_spans for r in results)) - local
-        excluded: dict[Any, str] = {}
-        failed: dict[Any, str] = {}
-        for r in results:
-            for peer_id, why in r.excluded_senders.items():
-                excluded.setdefault(peer_id, why)
-            for peer_id, why in r.failed_reducers.items():
-                failed.setdefault(peer_id, why)
-        return AllReduceResult(
-            group_id=self.plan.group.group_id,
-            averaged_spans=averaged,
-            local_spans=local,
-            excluded_senders=excluded,
-            failed_reducers=failed,
-            deadline_exceeded=any(r.deadline_exceeded for r in results),
-            paced_bytes=sum(r.paced_bytes for r in results),
-        )
-
-
-def _tensors_averaged(
-    tensors: Sequence[torch.Tensor], spans: Sequence[int], averaged_spans: frozenset[int]
-) -> tuple[bool, ...]:
-    """For each tensor of a flat vector cut into ``spans``: do all the spans it overlaps
-    hold the average?"""
-    bounds, start = [], 0
-    for j, size in enumerate(spans):
-        bounds.append((start, start + size, j))
-        start += size
-    flags, offset = [], 0
-    for tensor in tensors:
-        end = offset + tensor.numel()
-        flags.append(
-            all(j in averaged_spans for lo, hi, j in bounds if hi > lo and lo < end and hi > offset)
-        )
-        offset = end
-    return tuple(flags)
 
 
 def _averaged_with_someone(plan: RoundPlan, me: Any, result: AllReduceResult) -> bool:

@@ -41,14 +41,14 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.state_chunks import (
+from swarmgrad.averaging.state.chunks import (
     DEFAULT_MAX_STATE_BYTES,
     CorruptChunk,
     StateAssembler,
     StateManifest,
     check_metadata,
 )
-from swarmgrad.averaging.state_protocol import (
+from swarmgrad.averaging.state.protocol import (
     BUSY,
     OK,
     DonorRecord,
@@ -57,7 +57,7 @@ from swarmgrad.averaging.state_protocol import (
     order_donors,
     parse_declarations,
 )
-from swarmgrad.averaging.state_scheduler import ChunkScheduler
+from swarmgrad.averaging.state.scheduler import ChunkScheduler
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer

@@ -15,7 +15,7 @@ same across the run; absent in declarations of older peers): among donors of equ
 priority, joiners ask those with faster links first, so a slow volunteer's uplink is not
 spent serving whole models while a fast one idles (DeDLOC sizes the all-reduce's spans
 the same way). The donor's RPCs (``<prefix>.state.manifest``, ``.chunk``, ``.release``) are
-described in :mod:`swarmgrad.averaging.state_sharing`.
+described in :mod:`swarmgrad.averaging.state.sharing`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Matchmaking: peers that share a group key form groups, with no coordinator.
 
 Every peer that looks for a group declares itself under its group key with a time
-``ready_by`` (see :mod:`swarmgrad.averaging.key_manager`) and is a potential leader until
+``ready_by`` (see :mod:`.key_manager`) and is a potential leader until
 then. Potential leaders are totally ordered by ``(ready_by, peer_id)``. A peer asks the
 potential leaders that come *before* it in that order, earliest first, to let it join
 (``averaging.join_group``, a streaming RPC); a leader accepts only peers that come after
@@ -59,9 +59,9 @@ from typing import Any
 
 import msgpack
 
-from swarmgrad.averaging.group_bits import tagged_group_key
 from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.key_manager import MAX_MADDRS, Declaration, GroupKeyManager
+from swarmgrad.averaging.matchmaking.group_bits import tagged_group_key
+from swarmgrad.averaging.matchmaking.key_manager import MAX_MADDRS, Declaration, GroupKeyManager
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.multiaddr import Multiaddr

@@ -9,12 +9,12 @@ compressed), its sample clock and its latest loss. A server whose tensors differ
 number, shape or dtype refuses with an error naming the first mismatching tensor.
 
 A step, with probability ``fetch_probability``, picks a peer by flow-control score
-(:class:`~swarmgrad.averaging.gossip_rules.PeerScoreboard`: fast, reliable peers are
+(:class:`~swarmgrad.averaging.gossip.rules.PeerScoreboard`: fast, reliable peers are
 asked more often, slow or failing ones rarely), pulls, checks what came back (schema,
 NaN/Inf, clock and loss values), skips the mix when the Euclidean distance between the
 two parameter vectors exceeds ``divergence_threshold``, and otherwise sets
 ``local = (1 - a) * local + a * remote`` with ``a`` from the mixing rule
-(:func:`~swarmgrad.averaging.gossip_rules.mixing_factor`). A peer that fails is penalized
+(:func:`~swarmgrad.averaging.gossip.rules.mixing_factor`). A peer that fails is penalized
 and, within the same step, another one is tried (up to ``max_attempts``).
 
 :class:`AsyncGossipAverager` runs on the event loop (use it from async code that owns a
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.gossip_rules import MixingRule, PeerScoreboard, mixing_factor
+from swarmgrad.averaging.gossip.rules import MixingRule, PeerScoreboard, mixing_factor
 from swarmgrad.compression.serialized import CompressionType, dtype_name
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
 from swarmgrad.dht.dht import DHT

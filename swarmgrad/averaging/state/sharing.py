@@ -2,7 +2,7 @@
 
 A :class:`StateSharing` belongs to an averager. While ``allow_state_sharing`` is on it
 declares the peer as a donor under ``<prefix>.all_averagers`` (see
-:mod:`~swarmgrad.averaging.state_protocol`) and answers three RPCs:
+:mod:`~swarmgrad.averaging.state.protocol`) and answers three RPCs:
 
 ``<prefix>.state.manifest`` ``{"v": 1}``
     Opens a download session on a snapshot of the state and answers
@@ -22,7 +22,7 @@ declares the peer as a donor under ``<prefix>.all_averagers`` (see
 With ``state_compression`` (a codec, e.g. ``Float16Compression()``, or its name) the
 snapshot's floating-point tensors are encoded with it after they are copied (outside the
 owner's lock) and the chunks carry the encoded bytes: a joiner downloads less and decodes
-each tensor back to its dtype and shape (see :mod:`~swarmgrad.averaging.state_chunks`).
+each tensor back to its dtype and shape (see :mod:`~swarmgrad.averaging.state.chunks`).
 Other tensors, and any the codec cannot take, are sent exact.
 
 Everything runs on the event loop except the snapshot copy, encoding and hashing and a synchronous
@@ -45,14 +45,14 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.state_chunks import (
+from swarmgrad.averaging.state.chunks import (
     DEFAULT_CHUNK_SIZE,
     StateCompression,
     StateSnapshot,
     freeze_state,
     resolve_state_compression,
 )
-from swarmgrad.averaging.state_protocol import (
+from swarmgrad.averaging.state.protocol import (
     BUSY,
     EXPIRED,
     OK,
@@ -123,7 +123,7 @@ class StateSharing:
     snapshot, after the copy and outside the lock (see the module docstring).
 
     ``bandwidth``: the link rate the averager announces, declared so that joiners ask
-    faster donors first (:func:`~.state_protocol.order_donors`).
+    faster donors first (:func:`~.protocol.order_donors`).
 
     Call :meth:`start` on the event loop, and ``await shutdown()`` to withdraw.
     """

@@ -29,65 +29,73 @@ tensors only once all its parts have arrived and passed the checks, so a tensor 
 holds half a span's average. Every wait is bounded, and an optional overall ``timeout``
 ends the round early, applying only the spans already complete.
 
-Wire protocol (one raw stream per sender and owner; why not RPC messages: a message's
-tensor payload is received into a freshly allocated buffer, and on loopback those
-allocations and page faults cost a quarter of a round; here each span is received
-straight into a reused buffer, see :mod:`.buffers`)::
-
-    sender -> owner:  message(hello) | span data
-    owner -> sender:  message({"ok": True, "codec": ...}) | averaged span data
-                      or message({"error": ..., "type": ...}) and a reset
-
-``message`` is ``u32 length | msgpack``. Span data without compression is the parts'
-raw bytes back to back (sizes are known to both sides), sent only after the owner's
-``ok`` (one round trip per round): the owner's receive buffer is then in place, so the
-data lands in it without a copy, and a refused stream costs no bandwidth. With a codec
-each part is ``message(tensor header) | payload``, read through the stream's own buffer,
-and it follows the hello at once: on a busy link the ``ok`` comes back behind the data
-the owner already streams to us on the same connection and the queues it crosses (8
-peers at 100 Mbit/s: the last ``ok`` arrived up to 0.6 s into a 2.9-s round), which the
-raw path pays for its copy-free receive. A refused stream then wastes at most the
-stream's flow-control window. A failure after the first message resets the stream with
-the reason.
+The wire format is in :mod:`.protocol`, stream helpers in :mod:`.streams`, the
+per-peer router in :mod:`.router`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import enum
 import functools
 import logging
 import math
-import struct
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import torch
 
-from swarmgrad.averaging.buffers import DEFAULT_POOL, BufferPool
-from swarmgrad.averaging.deadlines import AdaptiveTimeouts, ThroughputMeter
-from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.load_balancing import load_balance_peers
-from swarmgrad.averaging.pacing import SendPacer
-from swarmgrad.averaging.partition import (
+from swarmgrad.averaging.allreduce.buffers import DEFAULT_POOL, BufferPool
+from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts, ThroughputMeter
+from swarmgrad.averaging.allreduce.load_balancing import load_balance_peers
+from swarmgrad.averaging.allreduce.pacing import SendPacer
+from swarmgrad.averaging.allreduce.partition import (
     DEFAULT_PART_SIZE_BYTES,
     TensorPartContainer,
     TensorPartReducer,
     tensor_schema,
 )
-from swarmgrad.averaging.robust import AggregationRule
-from swarmgrad.averaging.robust_reducer import RobustPartReducer
+from swarmgrad.averaging.allreduce.protocol import (
+    AGGREGATE_PART,
+    LENGTH,
+    NO_CODEC,
+    PROTOCOL_VERSION,
+    RECEIVE_WINDOW_BYTES,
+    encode_message,
+    read_framed_part,
+    read_message,
+    refuse,
+    schema_difference,
+)
+from swarmgrad.averaging.allreduce.router import AllReduceRouter
+from swarmgrad.averaging.allreduce.streams import (
+    Progress,
+    connection_bytes,
+    describe,
+    owners_after,
+    part_windows,
+    peer_is_gone,
+    reset_on_failure,
+    settle,
+    while_active,
+    within,
+)
+from swarmgrad.averaging.allreduce.types import (
+    MAX_WEIGHT,
+    AllReduceResult,
+    AveragingMode,
+    BadReduction,
+    GroupMismatch,
+)
+from swarmgrad.averaging.group_info import GroupInfo
+from swarmgrad.averaging.robust.reducer import RobustPartReducer
+from swarmgrad.averaging.robust.rules import AggregationRule
 from swarmgrad.compression import (
     CompressionBase,
     CompressionInfo,
     CompressionType,
     TensorDescriptor,
-    check_header,
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
@@ -95,276 +103,16 @@ from swarmgrad.compression.base import all_finite, tensor_bytes
 from swarmgrad.compression.serialized import SerializedTensor
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import (
-    CodecError,
-    ConnectionClosed,
     DeadlineExceeded,
-    HandshakeError,
-    PeerUnreachable,
     ProtocolViolation,
     RemoteError,
-    StreamReset,
     SwarmgradError,
     ValidationError,
 )
 
-__all__ = [
-    "AGGREGATE_PART",
-    "AllReduceResult",
-    "AllReduceRouter",
-    "AllReduceRunner",
-    "AveragingMode",
-    "BadReduction",
-    "GroupMismatch",
-    "UnknownGroup",
-]
+__all__ = ["AllReduceRunner"]
 
 logger = logging.getLogger(__name__)
-
-AGGREGATE_PART = "averaging.aggregate_part"
-PROTOCOL_VERSION = 1
-HELLO_TIMEOUT = 30.0  # a caller must name its group this fast
-MAX_MESSAGE_SIZE = 16 * 1024 * 1024  # hello (with the tensor schema), status, part headers
-RECEIVE_WINDOW_BYTES = 64 * 1024 * 1024  # an owner receives at most this much per sender
-_LENGTH = struct.Struct(">I")
-_FINISHED_GROUPS_REMEMBERED = 1024
-_NONE = CompressionType.NONE.value
-# Weights are relative, so a bound costs nothing. Owners sum weight * part in float32 for
-# float16/bfloat16/float32 tensors: a weight beyond float32's range (3.4e38) makes torch
-# raise mid-round, and one near it turns the sum into Inf and the average into NaN. 1e30
-# leaves eight orders of magnitude for the values themselves.
-MAX_WEIGHT = 1e30
-
-
-class AveragingMode(enum.Enum):
-    NODE = 0
-    CLIENT = 1
-    AUX = 2
-
-
-class GroupMismatch(ValidationError):
-    """Members disagree on what they average: tensor shapes or dtypes, spans, part size."""
-
-
-class BadReduction(ProtocolViolation):
-    """A span's owner returned a result that fails the robust rule's check."""
-
-
-class UnknownGroup(ValidationError):
-    """Parts arrived for a group this peer does not average in (or no longer does)."""
-
-
-@dataclass(frozen=True)
-class AllReduceResult:
-    """What one round did to the local tensors, and who was dropped and why."""
-
-    group_id: bytes
-    averaged_spans: frozenset[int]  # spans now holding the group's average
-    local_spans: frozenset[int]  # non-empty spans that kept their local values
-    excluded_senders: dict[PeerID, str] = field(default_factory=dict)  # from our span
-    failed_reducers: dict[PeerID, str] = field(default_factory=dict)  # spans kept local
-    deadline_exceeded: bool = False
-    # robust aggregation: per sender, the parts of our span in which the rule clipped or
-    # trimmed its input (evidence for accountability; empty with the plain mean)
-    limited_senders: dict[PeerID, int] = field(default_factory=dict)
-    bad_reducers: frozenset[PeerID] = frozenset()  # spans whose result failed the check
-    # other members whose inputs our span's reduction used (the rounds that count as
-    # "seen" for accountability's window, see offenders.py)
-    contributors: frozenset[PeerID] = frozenset()
-    paced_bytes: int = 0  # what this peer wrote through the round's send pacer
-
-    @property
-    def fully_averaged(self) -> bool:
-        return not self.local_spans and not self.excluded_senders
-
-
-# ---------------------------------------------------------------------------- wire helpers
-
-
-def _encode(body: Any) -> bytes:
-    packed = msgpack.packb(body, use_bin_type=True)
-    return _LENGTH.pack(len(packed)) + packed
-
-
-async def _read_message(stream: Any) -> Any:
-    """One ``u32 length | msgpack`` message; ProtocolViolation if malformed or huge."""
-    (length,) = _LENGTH.unpack(await stream.readexactly(_LENGTH.size))
-    if length > MAX_MESSAGE_SIZE:
-        raise ProtocolViolation(
-            f"{stream.remote_peer_id} sent an all-reduce message of {length} bytes "
-            f"(limit {MAX_MESSAGE_SIZE})"
-        )
-    data = await stream.readexactly(length)
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:
-        raise ProtocolViolation(
-            f"malformed all-reduce message from {stream.remote_peer_id}: {e}"
-        ) from None
-
-
-async def _within(awaitable: Any, seconds: float, what: str) -> Any:
-    try:
-        async with asyncio.timeout(seconds):
-            return await awaitable
-    except TimeoutError:
-        raise DeadlineExceeded(f"{what} within {seconds:.3g} s") from None
-
-
-async def _refuse(stream: Any, error: BaseException) -> None:
-    """Tell the caller why, then drop the stream (the message arrives before the reset)."""
-    with contextlib.suppress(SwarmgradError, OSError):
-        await stream.write(_encode({"error": str(error), "type": type(error).__name__}))
-    stream.reset(str(error)[:500])
-
-
-def _describe(error: BaseException) -> str:
-    return str(error) or type(error).__name__
-
-
-class _Progress:
-    """Tracks how much of a receive buffer is filled; wakes the reader at part ends.
-
-    ``callback`` goes to :meth:`Stream.readexactly_into`; it runs inside the receive
-    path, so it only compares numbers and sets an event."""
-
-    def __init__(self, part_ends: Sequence[int]):
-        self.part_ends = part_ends  # byte offset where each part of the window ends
-        self.filled = 0
-        self.next_part = 0  # first part not yet handed to the reader
-        self.event = asyncio.Event()
-
-    def callback(self, filled: int) -> None:
-        self.filled = filled
-        if self.next_part < len(self.part_ends) and filled >= self.part_ends[self.next_part]:
-            self.event.set()
-
-    async def wait_parts(
-        self,
-        reader: asyncio.Task,
-        wait: Callable[[], float],
-        what: str,
-        activity: Callable[[], int] = lambda: 0,
-    ) -> list[int]:
-        """Wait until at least one more part is complete; returns their indices (within
-        the window). Raises DeadlineExceeded if for ``wait()`` seconds no byte arrives
-        and ``activity()`` (other signs of life, e.g. bytes we sent) does not change;
-        raises the reader's error if it fails."""
-        while True:
-            complete = []
-            while self.next_part < len(self.part_ends) and (
-                self.filled >= self.part_ends[self.next_part]
-            ):
-                complete.append(self.next_part)
-                self.next_part += 1
-            if complete:
-                return complete
-            if reader.done():
-                reader.result()  # its error, if any
-                raise ProtocolViolation(f"{what}: stream ended early")
-            self.event.clear()
-            seen = (self.filled, activity())
-            waiter = asyncio.ensure_future(self.event.wait())
-            try:
-                done, _ = await asyncio.wait(
-                    (waiter, reader), timeout=wait(), return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                waiter.cancel()
-            if not done and (self.filled, activity()) == seen:
-                raise DeadlineExceeded(f"{what}: no progress for {wait():.3g} s")
-
-
-# ---------------------------------------------------------------------------- routing
-
-
-class AllReduceRouter:
-    """Serves ``averaging.aggregate_part`` on one peer and hands each stream to the runner
-    of the group it names. Created by :meth:`for_peer`, once per peer.
-
-    An averager should call :meth:`for_peer` when it starts: a member whose round starts
-    a little earlier than ours may then reach us before our runner exists, and its stream
-    waits (``unknown_group_grace``) instead of being refused as an unknown protocol."""
-
-    _by_peer: weakref.WeakKeyDictionary[Any, AllReduceRouter] = weakref.WeakKeyDictionary()
-
-    def __init__(self, *, unknown_group_grace: float = 5.0):
-        self.unknown_group_grace = unknown_group_grace
-        self._runners: dict[bytes, AllReduceRunner] = {}
-        self._waiters: dict[bytes, list[asyncio.Future]] = collections.defaultdict(list)
-        self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-
-    @classmethod
-    def for_peer(cls, peer: Any) -> AllReduceRouter:
-        """The peer's router, registering the protocol on first use. (The router keeps no
-        reference to the peer, so the weak map lets both be collected.)"""
-        router = cls._by_peer.get(peer)
-        if router is None:
-            router = cls()
-            peer.add_protocol_handler(AGGREGATE_PART, router._serve_stream)
-            cls._by_peer[peer] = router
-        return router
-
-    def register(self, group_id: bytes, runner: AllReduceRunner) -> None:
-        if group_id in self._runners or group_id in self._finished:
-            raise ValidationError(f"group {group_id.hex()[:12]} already ran on this peer")
-        self._runners[group_id] = runner
-        for waiter in self._waiters.pop(group_id, ()):
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def unregister(self, group_id: bytes) -> None:
-        if self._runners.pop(group_id, None) is not None:
-            self._finished[group_id] = None
-            while len(self._finished) > _FINISHED_GROUPS_REMEMBERED:
-                self._finished.popitem(last=False)
-
-    async def _runner_for(self, group_id: bytes, caller: PeerID) -> AllReduceRunner:
-        """Wait briefly for the group's runner: members start at slightly different times."""
-        runner = self._runners.get(group_id)
-        if runner is None and group_id not in self._finished:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters[group_id].append(waiter)
-            try:
-                async with asyncio.timeout(self.unknown_group_grace):
-                    await waiter
-            except TimeoutError:
-                pass
-            finally:
-                waiters = self._waiters.get(group_id, [])
-                if waiter in waiters:
-                    waiters.remove(waiter)
-                    if not waiters:
-                        del self._waiters[group_id]
-            runner = self._runners.get(group_id)
-        if runner is None:
-            state = "has finished" if group_id in self._finished else "is not running"
-            raise UnknownGroup(
-                f"{caller} sent parts for group {group_id.hex()[:12]}, which {state} here"
-            )
-        return runner
-
-    async def _serve_stream(self, stream: Any) -> None:
-        """Entry point of every incoming stream; never raises."""
-        remote = stream.remote_peer_id
-        try:
-            hello = await _within(_read_message(stream), HELLO_TIMEOUT, f"hello from {remote}")
-            if not isinstance(hello, dict) or not isinstance(hello.get("g"), bytes):
-                raise ProtocolViolation(f"{remote} opened an all-reduce without a group id")
-            if hello.get("v") != PROTOCOL_VERSION:
-                raise ValidationError(
-                    f"all-reduce protocol version {hello.get('v')!r} from {remote} is not "
-                    f"supported (this peer speaks {PROTOCOL_VERSION})"
-                )
-            runner = await self._runner_for(hello["g"], remote)
-        except (SwarmgradError, OSError, TimeoutError) as e:
-            logger.debug("refused an all-reduce stream from %s: %s", remote, e)
-            await _refuse(stream, e)
-            return
-        try:
-            await runner._serve_sender(stream, hello)
-        except Exception:  # a bug here must not leave the stream or the task dangling
-            logger.exception("all-reduce stream from %s failed", remote)
-            stream.reset("internal error")
 
 
 # ---------------------------------------------------------------------------- the runner
@@ -389,7 +137,7 @@ class AllReduceRunner:
       timeout: optional deadline for the whole round.
       averaging_alpha: 1 replaces local values by the average; less moves part way.
       buffer_pool: where receive and accumulation buffers come from and go back to.
-      aggregation: a robust :class:`~.robust.AggregationRule` the owner applies to its
+      aggregation: a robust :class:`~..robust.rules.AggregationRule` the owner applies to its
         span instead of the weighted mean (every member must use the same one).
       send_pacer: a :class:`~.pacing.SendPacer` that spaces this peer's writes (parts
         and averaged replies), for rounds in the background; None: full speed.
@@ -576,7 +324,7 @@ class AllReduceRunner:
             async with asyncio.timeout_at(self._deadline):
                 async with asyncio.TaskGroup() as tasks:
                     if self.mode is not AveragingMode.AUX:
-                        for j in _owners_after(me, self.span_sizes):
+                        for j in owners_after(me, self.span_sizes):
                             tasks.create_task(self._exchange(j))
                     if self._reducer is not None:
                         watchdog = loop.call_later(
@@ -662,20 +410,20 @@ class AllReduceRunner:
         result_buffer = None
         clean = False
         try:
-            stream = await _within(
+            stream = await within(
                 self.peer.open_stream(owner, AGGREGATE_PART),
                 self.timeouts.reducer_wait(meter, 0),
                 f"connecting to {owner}",
             )
-            await stream.write(_encode(self._hello(span_index)))
+            await stream.write(encode_message(self._hello(span_index)))
             sent = [0]
-            if self.codec_name != _NONE:
+            if self.codec_name != NO_CODEC:
                 # Encoded parts follow the hello at once: the owner reads them through the
                 # stream's own buffer anyway, and its answer would reach us behind the
                 # bulk data it already sends us (see the module docstring).
                 writer = self._start_writer(stream, span_index, sent)
-            status = await _within(
-                _read_message(stream),
+            status = await within(
+                read_message(stream),
                 self.timeouts.reducer_wait(meter, 0),
                 f"{owner} did not answer",
             )
@@ -683,11 +431,11 @@ class AllReduceRunner:
                 error = status.get("error") if isinstance(status, dict) else status
                 remote_type = status.get("type", "Exception") if isinstance(status, dict) else ""
                 raise RemoteError(str(error), remote_type=str(remote_type), peer=owner)
-            activity = lambda: sent[0] + _connection_bytes(stream)  # noqa: E731
+            activity = lambda: sent[0] + connection_bytes(stream)  # noqa: E731
             if writer is None:
                 writer = self._start_writer(stream, span_index, sent)
             nbytes = self.container.span_nbytes(span_index)
-            if status.get("codec", _NONE) == _NONE:
+            if status.get("codec", NO_CODEC) == NO_CODEC:
                 result_buffer = self.pool.take(nbytes)
                 averaged = await self._receive_raw(
                     stream, span_index, result_buffer, meter, activity
@@ -701,16 +449,16 @@ class AllReduceRunner:
             self._averaged.add(span_index)
             # The span is complete and applied; what follows is only a clean goodbye.
             with contextlib.suppress(SwarmgradError, OSError, TimeoutError):
-                await _within(writer, self.timeouts.min_timeout, "sending our last parts")
+                await within(writer, self.timeouts.min_timeout, "sending our last parts")
                 clean = await self._read_end(stream, self.timeouts.min_timeout)
         except (SwarmgradError, OSError, TimeoutError) as e:
-            reason = _describe(e)
+            reason = describe(e)
             self._failed_reducers[owner] = reason
             if isinstance(e, BadReduction):
                 self._bad_reducers.add(owner)
             if isinstance(e, RemoteError) and e.remote_type == GroupMismatch.__name__:
                 self._mismatches.append(e.args[0])
-            if _peer_is_gone(e) and self._reducer is not None and span_index in self._slot_of:
+            if peer_is_gone(e) and self._reducer is not None and span_index in self._slot_of:
                 # the same connection would carry its parts to us: stop waiting for them
                 self._exclude(span_index, f"unreachable: {reason}")
             logger.warning(
@@ -724,13 +472,13 @@ class AllReduceRunner:
             if stream is not None and not clean:
                 stream.reset("sender gave up")
             if writer is not None:
-                await _settle(writer)
+                await settle(writer)
             if result_buffer is not None:
                 self.pool.give(result_buffer)
 
     def _check_robust_result(self, span_index: int, averaged: Sequence[torch.Tensor]) -> None:
         """Robust mode: a span whose result lies farther from our own input than the rule
-        allows (:meth:`~.robust.AggregationRule.max_result_distance`, over the whole span)
+        allows (:meth:`~..robust.rules.AggregationRule.max_result_distance`, over the whole span)
         is a bad reduction; the span stays local and its owner is named."""
         assert self.aggregation is not None
         squared_distance = squared_norm = 0.0
@@ -748,21 +496,21 @@ class AllReduceRunner:
 
     def _start_writer(self, stream: Any, span_index: int, sent: list[int]) -> asyncio.Future:
         writer = asyncio.ensure_future(self._send_parts(stream, span_index, sent))
-        writer.add_done_callback(functools.partial(_reset_on_failure, stream))
+        writer.add_done_callback(functools.partial(reset_on_failure, stream))
         return writer
 
     async def _send_parts(self, stream: Any, span_index: int, sent: list[int]) -> None:
         """Write our parts of a span; ``sent[0]`` counts bytes (the owner is alive while
         it takes them)."""
         container = self.container
-        raw = self.codec_name == _NONE
+        raw = self.codec_name == NO_CODEC
         for part_index in range(container.num_parts(span_index)):
             if raw:
                 data = tensor_bytes(container.local_part(span_index, part_index))
                 await self._write(stream, data)
             else:
                 serialized = container.serialize(span_index, part_index)
-                await stream.write(_encode(serialized.header()))
+                await stream.write(encode_message(serialized.header()))
                 data = memoryview(serialized.buffer)
                 await self._write(stream, data)
             sent[0] += data.nbytes
@@ -790,7 +538,7 @@ class AllReduceRunner:
         container = self.container
         offsets = container.part_offsets(span_index)
         specs = container.parts[span_index]
-        progress = _Progress(offsets[1:])
+        progress = Progress(offsets[1:])
         target = memoryview(buffer[: offsets[-1]].numpy())
         reader = asyncio.ensure_future(stream.readexactly_into(target, progress=progress.callback))
         loop = asyncio.get_running_loop()
@@ -816,7 +564,7 @@ class AllReduceRunner:
                     averaged.append(values)
             await reader
         finally:
-            await _settle(reader)
+            await settle(reader)
         return averaged
 
     async def _receive_framed(
@@ -832,8 +580,8 @@ class AllReduceRunner:
         loop = asyncio.get_running_loop()
         for part_index, spec in enumerate(specs):
             started = loop.time()
-            message = await _while_active(
-                _read_framed_part(stream),
+            message = await while_active(
+                read_framed_part(stream),
                 lambda spec=spec: self.timeouts.reducer_wait(meter, spec.nbytes),
                 f"{owner} sent no averaged part {part_index}",
                 activity,
@@ -850,7 +598,7 @@ class AllReduceRunner:
     async def _read_end(self, stream: Any, seconds: float) -> bool:
         """Expect the remote's end of stream; True if it came cleanly."""
         try:
-            extra = await _within(stream.read(1), seconds, "end of stream")
+            extra = await within(stream.read(1), seconds, "end of stream")
         except (SwarmgradError, OSError):
             return False
         if extra:
@@ -898,7 +646,7 @@ class AllReduceRunner:
         await reducer.wait_all()
         if self.mode is not AveragingMode.AUX:
             results = []
-            lossy = self.codec_name != _NONE
+            lossy = self.codec_name != NO_CODEC
             for part_index in range(reducer.num_parts):
                 values = reducer.part_future(part_index).result()
                 if values is None:
@@ -907,7 +655,7 @@ class AllReduceRunner:
                     head, payload = self._reply(part_index)
                     values = deserialize_torch_tensor(
                         SerializedTensor.from_header(
-                            msgpack.unpackb(head[_LENGTH.size :], raw=False), payload
+                            msgpack.unpackb(head[LENGTH.size :], raw=False), payload
                         )
                     )
                 if not all_finite(values):  # finite inputs can still overflow in the sum
@@ -940,7 +688,7 @@ class AllReduceRunner:
                 short = self._reducer.min_inputs
                 why = f"fewer than the {short} inputs the rule needs" if short > 1 else "no data"
                 raise ValidationError(f"part {part_index} could not be averaged: {why}")
-            if self.codec_name == _NONE:
+            if self.codec_name == NO_CODEC:
                 reply = tensor_bytes(values)
             else:
                 spec = self.container.parts[self.my_index][part_index]
@@ -952,7 +700,7 @@ class AllReduceRunner:
                     part_size=spec.numel,
                 )
                 serialized = serialize_torch_tensor(values, self.container.codec, info)
-                reply = (_encode(serialized.header()), memoryview(serialized.buffer))
+                reply = (encode_message(serialized.header()), memoryview(serialized.buffer))
             self._replies[part_index] = reply
         return reply
 
@@ -972,7 +720,7 @@ class AllReduceRunner:
             )
         schema = hello.get("schema")
         if schema != self.schema:
-            raise GroupMismatch(f"{remote}: {_schema_difference(schema, self.schema)}")
+            raise GroupMismatch(f"{remote}: {schema_difference(schema, self.schema)}")
         if hello.get("spans") != list(self.span_sizes) or hello.get("part") != (
             self.container.part_size_bytes
         ):
@@ -1012,7 +760,7 @@ class AllReduceRunner:
                 self._mismatches.append(str(e))
                 self._exclude(self.ordered_peer_ids.index(remote), str(e))
             logger.debug("all-reduce %s: refused %s: %s", self._gid, remote, e)
-            await _refuse(stream, e)
+            await refuse(stream, e)
             return
         reducer = self._reducer
         self._handlers[stream] = asyncio.current_task()
@@ -1022,7 +770,7 @@ class AllReduceRunner:
         )
         try:
             await asyncio.sleep(0)  # let the consumer post its receive buffer first
-            await stream.write(_encode({"ok": True, "codec": self.codec_name}))
+            await stream.write(encode_message({"ok": True, "codec": self.codec_name}))
             for part_index in range(reducer.num_parts):
                 future = reducer.part_future(part_index)
                 while not future.done() and not consumer.done():
@@ -1042,11 +790,11 @@ class AllReduceRunner:
             await stream.close_write()
             await consumer
         except (SwarmgradError, OSError, TimeoutError, asyncio.CancelledError) as e:
-            stream.reset(_describe(e)[:500] if not isinstance(e, asyncio.CancelledError) else "")
+            stream.reset(describe(e)[:500] if not isinstance(e, asyncio.CancelledError) else "")
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
-            await _settle(consumer)
+            await settle(consumer)
             self._handlers.pop(stream, None)
             if not self._handlers:
                 self._handlers_idle.set()
@@ -1058,7 +806,7 @@ class AllReduceRunner:
         slot = self._slot_of[member]
         meter = self.timeouts.new_meter()
         try:
-            if codec == _NONE:
+            if codec == NO_CODEC:
                 await self._consume_raw(slot, weight, stream, meter)
             else:
                 await self._consume_framed(slot, weight, stream, meter)
@@ -1067,7 +815,7 @@ class AllReduceRunner:
         except BaseException as e:
             cancelled = isinstance(e, asyncio.CancelledError)
             if not cancelled or reducer.contributions[slot] < reducer.num_parts:
-                self._exclude(member, "cancelled" if cancelled else _describe(e))
+                self._exclude(member, "cancelled" if cancelled else describe(e))
             raise
 
     async def _consume_raw(
@@ -1078,13 +826,13 @@ class AllReduceRunner:
         me, container = self.my_index, self.container
         offsets = container.part_offsets(me)
         specs = container.parts[me]
-        windows = _windows(offsets, RECEIVE_WINDOW_BYTES)
+        windows = part_windows(offsets, RECEIVE_WINDOW_BYTES)
         buffer = self.pool.take(max(offsets[end] - offsets[start] for start, end in windows))
         loop = asyncio.get_running_loop()
         try:
             for start, end in windows:
                 base = offsets[start]
-                progress = _Progress([offsets[k + 1] - base for k in range(start, end)])
+                progress = Progress([offsets[k + 1] - base for k in range(start, end)])
                 target = memoryview(buffer[: offsets[end] - base].numpy())
                 reader = asyncio.ensure_future(
                     stream.readexactly_into(target, progress=progress.callback)
@@ -1097,7 +845,7 @@ class AllReduceRunner:
                             reader,
                             lambda k=done: self.timeouts.sender_wait(meter, specs[k].nbytes),
                             f"no part {done}",
-                            functools.partial(_connection_bytes, stream),
+                            functools.partial(connection_bytes, stream),
                         )
                         last = start + complete[-1]
                         meter.observe(offsets[last + 1] - offsets[done], loop.time() - started)
@@ -1109,7 +857,7 @@ class AllReduceRunner:
                         done = last + 1
                     await reader
                 finally:
-                    await _settle(reader)
+                    await settle(reader)
         finally:
             self.pool.give(buffer)
 
@@ -1122,11 +870,11 @@ class AllReduceRunner:
         for k, spec in enumerate(container.parts[me]):
             wait = self.timeouts.sender_wait(meter, spec.nbytes)
             started = loop.time()
-            message = await _while_active(
-                _read_framed_part(stream),
+            message = await while_active(
+                read_framed_part(stream),
                 lambda wait=wait: wait,
                 f"no part {k}",
-                functools.partial(_connection_bytes, stream),
+                functools.partial(connection_bytes, stream),
             )
             meter.observe(spec.nbytes, loop.time() - started)
             part = container.decode_part(me, k, message, str(remote))
@@ -1141,99 +889,3 @@ class AllReduceRunner:
             )
         self._reducer.accumulate_part(slot, k, part, weight, reuse=reuse)
         self._remote_contributions += 1
-
-
-def _connection_bytes(stream: Any) -> int:
-    """Bytes the stream's connection has received so far, on any stream (0 where the
-    transport does not count them). On a slow link one stream's bytes may wait a while
-    behind the frames of the others; the remote is alive as long as these grow."""
-    return getattr(getattr(stream, "conn", None), "bytes_received", 0)
-
-
-def _peer_is_gone(error: BaseException) -> bool:
-    """The connection itself failed or could not be made (not a refusal, not the reset
-    of one stream)."""
-    if isinstance(error, StreamReset | RemoteError | DeadlineExceeded):
-        return False
-    return isinstance(error, PeerUnreachable | HandshakeError | ConnectionClosed | OSError)
-
-
-async def _settle(task: asyncio.Future) -> None:
-    """Cancel a helper task if it still runs and wait for it, consuming its outcome."""
-    if not task.done():
-        task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-
-
-def _reset_on_failure(stream: Any, task: asyncio.Task) -> None:
-    """A writer that failed resets its stream, so both sides stop waiting at once."""
-    if not task.cancelled() and task.exception() is not None:
-        stream.reset(f"sender failed: {_describe(task.exception())}"[:500])
-
-
-async def _while_active(
-    awaitable: Any, wait: Callable[[], float], what: str, activity: Callable[[], int]
-) -> Any:
-    """Await; DeadlineExceeded once ``wait()`` seconds pass with ``activity()`` unchanged."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            seen = activity()
-            done, _ = await asyncio.wait((task,), timeout=wait())
-            if done:
-                return task.result()
-            if activity() == seen:
-                raise DeadlineExceeded(f"{what}: no progress for {wait():.3g} s")
-    finally:
-        await _settle(task)
-
-
-def _owners_after(me: int, span_sizes: Sequence[int]) -> list[int]:
-    """The other owners of a group in the order member ``me`` sends to them: from the
-    next member on, wrapping around. Each member starts on a different owner, so at the
-    start of a round every owner's link takes one sender's data first; in member order,
-    everyone would start on owner 0, whose flows would fill the links' queues before
-    anyone sent to the last owner (measured: 8 peers, 100 Mbit/s, the last owner's link
-    idle for the first 0.4 s of a 2.9-s round)."""
-    n = len(span_sizes)
-    return [j for j in ((me + k) % n for k in range(1, n)) if span_sizes[j] > 0]
-
-
-def _windows(offsets: Sequence[int], limit: int) -> list[tuple[int, int]]:
-    """Consecutive runs of parts ``[start, end)`` of at most ``limit`` bytes each (a part
-    larger than the limit gets a window of its own)."""
-    windows, start = [], 0
-    num_parts = len(offsets) - 1
-    while start < num_parts:
-        end = start + 1
-        while end < num_parts and offsets[end + 1] - offsets[start] <= limit:
-            end += 1
-        windows.append((start, end))
-        start = end
-    return windows or [(0, 0)]
-
-
-async def _read_framed_part(stream: Any) -> dict[str, Any]:
-    """A compressed part: header message, then exactly the payload it announces."""
-    header = await _read_message(stream)
-    try:
-        nbytes = check_header(header)
-    except CodecError as e:
-        raise ProtocolViolation(f"{stream.remote_peer_id} sent a bad part header: {e}") from None
-    payload = bytearray(nbytes)
-    if nbytes:
-        await stream.readexactly_into(payload)
-    return {"h": header, "b": payload}
-
-
-def _schema_difference(theirs: Any, ours: list[list[Any]]) -> str:
-    """Name the first tensor whose dtype or shape differs, for a clear refusal."""
-    if not isinstance(theirs, list):
-        return "sent no tensor schema"
-    if len(theirs) != len(ours):
-        return f"averages {len(theirs)} tensors, this member averages {len(ours)}"
-    for index, (their, our) in enumerate(zip(theirs, ours, strict=True)):
-        if their != our:
-            return f"tensor {index} is {their!r} (dtype, shape) there but {our!r} here"
-    return "tensor schemas differ"
