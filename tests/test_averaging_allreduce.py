@@ -215,9 +215,9 @@ def test_averaging_alpha_moves_values_part_way(arun):
 
 def test_large_parts_stream_through_several_windows(arun, monkeypatch):
     """Owners receive at most a window per sender at a time (bounded memory)."""
-    from swarmgrad.averaging.allreduce import runner
+    from swarmgrad.averaging.allreduce import owner
 
-    monkeypatch.setattr(runner, "RECEIVE_WINDOW_BYTES", 3000)
+    monkeypatch.setattr(owner, "RECEIVE_WINDOW_BYTES", 3000)
 
     async def main():
         peers = await make_peers(3)
