@@ -22,6 +22,9 @@ from swarmgrad.averaging.allreduce.protocol import (
     LENGTH,
     NO_CODEC,
     RECEIVE_WINDOW_BYTES,
+    Admitted,
+    Hello,
+    decode_hello,
     encode_message,
     read_framed_part,
     refuse,
@@ -139,7 +142,7 @@ class OwnerRole:
             self._replies[part_index] = reply
         return reply
 
-    def _admit(self, remote: PeerID, hello: dict[str, Any]) -> int:
+    def _admit(self, remote: PeerID, hello: Hello) -> int:
         """Check a caller's hello; return its member index or raise the reason to refuse."""
         me = self.my_index
         try:
@@ -148,27 +151,23 @@ class OwnerRole:
             raise ValidationError(f"{remote} is not a member of group {self._gid}") from None
         if self.modes[member] is AveragingMode.AUX:
             raise ValidationError(f"{remote} is an auxiliary member and sends no tensors")
-        if hello.get("span") != me or self._reducer is None:
+        if hello.span != me or self._reducer is None:
             raise ValidationError(
-                f"{remote} sent parts of span {hello.get('span')!r} to member {me} "
+                f"{remote} sent parts of span {hello.span!r} to member {me} "
                 f"({self.peer.peer_id}), which reduces {self.span_sizes[me]} elements"
             )
-        schema = hello.get("schema")
-        if schema != self.schema:
-            raise GroupMismatch(f"{remote}: {schema_difference(schema, self.schema)}")
-        if hello.get("spans") != list(self.span_sizes) or hello.get("part") != (
-            self.container.part_size_bytes
+        if hello.schema != self.schema:
+            raise GroupMismatch(f"{remote}: {schema_difference(hello.schema, self.schema)}")
+        if (
+            hello.spans != tuple(self.span_sizes)
+            or hello.part_size != self.container.part_size_bytes
         ):
             raise GroupMismatch(
-                f"{remote} plans spans {hello.get('spans')} with parts of {hello.get('part')} "
+                f"{remote} plans spans {list(hello.spans)} with parts of {hello.part_size} "
                 f"bytes; this member plans {list(self.span_sizes)} with "
                 f"{self.container.part_size_bytes}"
             )
-        if not isinstance(hello.get("codec"), str):
-            raise ValidationError(f"{remote} did not say how its parts are encoded")
-        weight = hello.get("w")
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            raise ValidationError(f"{remote} sent weight {weight!r}, not a number")
+        weight = hello.weight
         if not math.isfinite(weight) or not 0 <= weight <= MAX_WEIGHT:
             raise ValidationError(
                 f"{remote} sent weight {weight!r}; must be finite, >= 0 and at most {MAX_WEIGHT:g}"
@@ -184,13 +183,14 @@ class OwnerRole:
         self._admitted.add(member)
         return member
 
-    async def _serve_sender(self, stream: Any, hello: dict[str, Any]) -> None:
-        """One sender's stream: accumulate its parts, stream the averaged parts back.
-        Never raises (errors reset the stream)."""
+    async def _serve_sender(self, stream: Any, message: dict[str, Any]) -> None:
+        """One sender's stream (``message``: its hello): accumulate its parts, stream the
+        averaged parts back. Never raises (errors reset the stream)."""
         remote = stream.remote_peer_id
         try:
+            hello = decode_hello(message, remote)
             member = self._admit(remote, hello)
-        except ValidationError as e:
+        except (ValidationError, ProtocolViolation) as e:
             if isinstance(e, GroupMismatch):  # it cannot come back with the right tensors
                 self._mismatches.append(str(e))
                 self._exclude(self.ordered_peer_ids.index(remote), str(e))
@@ -201,11 +201,11 @@ class OwnerRole:
         self._handlers[stream] = asyncio.current_task()
         self._handlers_idle.clear()
         consumer = asyncio.ensure_future(
-            self._consume(member, float(hello["w"]), hello["codec"], stream)
+            self._consume(member, float(hello.weight), hello.codec, stream)
         )
         try:
             await asyncio.sleep(0)  # let the consumer post its receive buffer first
-            await stream.write(encode_message({"ok": True, "codec": self.codec_name}))
+            await stream.write(encode_message(Admitted(self.codec_name).encode()))
             for part_index in range(reducer.num_parts):
                 future = reducer.part_future(part_index)
                 while not future.done() and not consumer.done():

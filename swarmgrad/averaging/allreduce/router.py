@@ -6,23 +6,23 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import weakref
 from typing import TYPE_CHECKING, Any
 
 from swarmgrad.averaging.allreduce.protocol import (
-    AGGREGATE_PART,
     HELLO_TIMEOUT,
-    PROTOCOL_VERSION,
+    decode_hello_route,
     read_message,
     refuse,
 )
 from swarmgrad.averaging.allreduce.streams import within
 from swarmgrad.averaging.allreduce.types import UnknownGroup
 from swarmgrad.net.identity import PeerID
-from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
+from swarmgrad.net.rpc import ServicerBase
+from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
 if TYPE_CHECKING:
     from swarmgrad.averaging.allreduce.runner import AllReduceRunner
+    from swarmgrad.net.mux import Stream
 
 __all__ = ["AllReduceRouter"]
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _FINISHED_GROUPS_REMEMBERED = 1024
 
 
-class AllReduceRouter:
+class AllReduceRouter(ServicerBase):
     """Serves ``averaging.aggregate_part`` on one peer and hands each stream to the runner
     of the group it names. Created by :meth:`for_peer`, once per peer.
 
@@ -39,7 +39,7 @@ class AllReduceRouter:
     a little earlier than ours may then reach us before our runner exists, and its stream
     waits (``unknown_group_grace``) instead of being refused as an unknown protocol."""
 
-    _by_peer: weakref.WeakKeyDictionary[Any, AllReduceRouter] = weakref.WeakKeyDictionary()
+    rpc_prefix = "averaging"  # rpc_aggregate_part serves "averaging.aggregate_part"
 
     def __init__(self, *, unknown_group_grace: float = 5.0):
         self.unknown_group_grace = unknown_group_grace
@@ -49,14 +49,8 @@ class AllReduceRouter:
 
     @classmethod
     def for_peer(cls, peer: Any) -> AllReduceRouter:
-        """The peer's router, registering the protocol on first use. (The router keeps no
-        reference to the peer, so the weak map lets both be collected.)"""
-        router = cls._by_peer.get(peer)
-        if router is None:
-            router = cls()
-            peer.add_protocol_handler(AGGREGATE_PART, router._serve_stream)
-            cls._by_peer[peer] = router
-        return router
+        """The peer's router (one per peer), serving the protocol from the first call."""
+        return peer.shared_servicer(cls)
 
     def register(self, group_id: bytes, runner: AllReduceRunner) -> None:
         if group_id in self._runners or group_id in self._finished:
@@ -97,19 +91,12 @@ class AllReduceRouter:
             )
         return runner
 
-    async def _serve_stream(self, stream: Any) -> None:
-        """Entry point of every incoming stream; never raises."""
+    async def rpc_aggregate_part(self, stream: Stream) -> None:
+        """Entry point of every incoming all-reduce stream; never raises."""
         remote = stream.remote_peer_id
         try:
             hello = await within(read_message(stream), HELLO_TIMEOUT, f"hello from {remote}")
-            if not isinstance(hello, dict) or not isinstance(hello.get("g"), bytes):
-                raise ProtocolViolation(f"{remote} opened an all-reduce without a group id")
-            if hello.get("v") != PROTOCOL_VERSION:
-                raise ValidationError(
-                    f"all-reduce protocol version {hello.get('v')!r} from {remote} is not "
-                    f"supported (this peer speaks {PROTOCOL_VERSION})"
-                )
-            runner = await self._runner_for(hello["g"], remote)
+            runner = await self._runner_for(decode_hello_route(hello, remote), remote)
         except (SwarmgradError, OSError, TimeoutError) as e:
             logger.debug("refused an all-reduce stream from %s: %s", remote, e)
             await refuse(stream, e)

@@ -59,7 +59,9 @@ from swarmgrad.averaging.allreduce.partition import (
 from swarmgrad.averaging.allreduce.protocol import (
     AGGREGATE_PART,
     NO_CODEC,
-    PROTOCOL_VERSION,
+    Hello,
+    Refused,
+    decode_status,
     encode_message,
     read_framed_part,
     read_message,
@@ -270,17 +272,16 @@ class AllReduceRunner(OwnerRole):
                 )
         return spans
 
-    def _hello(self, span_index: int) -> dict[str, Any]:
-        return {
-            "v": PROTOCOL_VERSION,
-            "g": self.group_id,
-            "span": span_index,
-            "w": self.weight,
-            "codec": self.codec_name,
-            "schema": self.schema,
-            "spans": list(self.span_sizes),
-            "part": self.container.part_size_bytes,
-        }
+    def _hello(self, span_index: int) -> Hello:
+        return Hello(
+            self.group_id,
+            span_index,
+            self.weight,
+            self.codec_name,
+            self.schema,
+            tuple(self.span_sizes),
+            self.container.part_size_bytes,
+        )
 
     # ---------------------------------------------------------------- the round
 
@@ -404,27 +405,27 @@ class AllReduceRunner(OwnerRole):
                 self.timeouts.reducer_wait(meter, 0),
                 f"connecting to {owner}",
             )
-            await stream.write(encode_message(self._hello(span_index)))
+            await stream.write(encode_message(self._hello(span_index).encode()))
             sent = [0]
             if self.codec_name != NO_CODEC:
                 # Encoded parts follow the hello at once: the owner reads them through the
                 # stream's own buffer anyway, and its answer would reach us behind the
                 # bulk data it already sends us (see the module docstring).
                 writer = self._start_writer(stream, span_index, sent)
-            status = await within(
-                read_message(stream),
-                self.timeouts.reducer_wait(meter, 0),
-                f"{owner} did not answer",
+            status = decode_status(
+                await within(
+                    read_message(stream),
+                    self.timeouts.reducer_wait(meter, 0),
+                    f"{owner} did not answer",
+                )
             )
-            if not isinstance(status, dict) or "error" in status or not status.get("ok"):
-                error = status.get("error") if isinstance(status, dict) else status
-                remote_type = status.get("type", "Exception") if isinstance(status, dict) else ""
-                raise RemoteError(str(error), remote_type=str(remote_type), peer=owner)
+            if isinstance(status, Refused):
+                raise RemoteError(status.error, remote_type=status.type, peer=owner)
             activity = lambda: sent[0] + connection_bytes(stream)  # noqa: E731
             if writer is None:
                 writer = self._start_writer(stream, span_index, sent)
             nbytes = self.container.span_nbytes(span_index)
-            if status.get("codec", NO_CODEC) == NO_CODEC:
+            if status.codec == NO_CODEC:
                 result_buffer = self.pool.take(nbytes)
                 averaged = await self._receive_raw(
                     stream, span_index, result_buffer, meter, activity
