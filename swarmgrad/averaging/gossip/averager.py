@@ -39,6 +39,16 @@ from typing import Any
 
 import torch
 
+from swarmgrad.averaging.gossip.protocol import (
+    GossipDeclaration,
+    PullAnswer,
+    PullRequest,
+    declaration_key,
+    decode_declaration,
+    decode_pull_answer,
+    decode_pull_request,
+    pull_rpc_name,
+)
 from swarmgrad.averaging.gossip.rules import MixingRule, PeerScoreboard, mixing_factor
 from swarmgrad.compression.serialized import CompressionType, dtype_name
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
@@ -47,16 +57,13 @@ from swarmgrad.dht.node import DHTNode
 from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
-from swarmgrad.net.rpc import RPCContext
+from swarmgrad.net.rpc import RPCContext, ServicerBase
 from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
 
 __all__ = ["AsyncGossipAverager", "GossipAverager", "GossipResult"]
 
 logger = logging.getLogger(__name__)
-
-PROTOCOL_VERSION = 1
-MAX_MADDRS = 16
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ def _describe_safe(entry: Any) -> str:
         return repr(entry)[:80]
 
 
-class AsyncGossipAverager:
+class AsyncGossipAverager(ServicerBase):
     """Gossip averaging on the event loop (see the module docstring).
 
     ``averaged_tensors`` are floating-point tensors changed in place. Call :meth:`start`
@@ -179,8 +186,9 @@ class AsyncGossipAverager:
         self.max_attempts = max_attempts
         self.rng = rng or random.Random()
         self.scoreboard = scoreboard or PeerScoreboard(rng=self.rng)
-        self.key = f"{prefix}.gossip"
-        self.rpc_name = f"{prefix}.gossip.pull"
+        self.key = declaration_key(prefix)
+        self.rpc_prefix = self.key  # rpc_pull serves "<prefix>.gossip.pull"
+        self.rpc_name = pull_rpc_name(prefix)
         # the tensors' lock (users hold it too, so the loop thread never waits for it: only
         # worker threads take it), and a short-lived one for the sample clock and the loss
         self.lock = threading.Lock()
@@ -203,7 +211,7 @@ class AsyncGossipAverager:
             raise ValidationError("this gossip averager has already been started")
         self._started = True
         if not self.client_mode:
-            self.peer.add_handler(self.rpc_name, self._rpc_pull)
+            self.peer.add_servicer(self)
             self._task = asyncio.get_running_loop().create_task(
                 self._declare_loop(), name=f"declare {self.key}"
             )
@@ -213,7 +221,7 @@ class AsyncGossipAverager:
             return
         self._closed = True
         if not self.client_mode and self._started:
-            self.peer.remove_handler(self.rpc_name)
+            self.peer.remove_servicer(self)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -236,9 +244,9 @@ class AsyncGossipAverager:
     async def _declare_loop(self) -> None:
         while True:
             try:
-                maddrs = [str(m) for m in self.peer.get_visible_maddrs()][:MAX_MADDRS]
+                maddrs = tuple(str(m) for m in self.peer.get_visible_maddrs())
                 expiration = self.dht_node.time_fn() + 2 * self.declare_period
-                value = {"v": PROTOCOL_VERSION, "maddrs": maddrs}
+                value = GossipDeclaration(maddrs).encode()
                 await self.dht_node.store(
                     self.key, value, expiration, subkey=self.peer.peer_id.to_base58()
                 )
@@ -262,9 +270,10 @@ class AsyncGossipAverager:
         peers: dict[PeerID, tuple[str, ...]] = {}
         if found is not None and isinstance(found.value, dict):
             for subkey, entry in found.value.items():
-                parsed = _parse_declaration(subkey, entry)
+                value = entry.value if isinstance(entry, ValueWithExpiration) else entry
+                parsed = decode_declaration(subkey, value)
                 if parsed is not None and parsed[0] != self.peer.peer_id:
-                    peers[parsed[0]] = parsed[1]
+                    peers[parsed[0]] = parsed[1].maddrs
         for gone in set(self._peers) - set(peers):
             self.scoreboard.forget(gone)
         self._peers = peers
@@ -275,20 +284,16 @@ class AsyncGossipAverager:
 
     # ------------------------------------------------------------------ serving
 
-    async def _rpc_pull(self, request: Any, context: RPCContext) -> dict[str, Any]:
-        if not isinstance(request, dict) or request.get("v") != PROTOCOL_VERSION:
-            raise ValidationError(f"a gossip pull must be {{'v': {PROTOCOL_VERSION}, 'schema'}}")
-        mismatch = schema_mismatch(self._schema, request.get("schema"), str(context.remote_id))
+    async def rpc_pull(self, message: Any, context: RPCContext) -> dict[str, Any]:
+        """A copy of our tensors, sample clock and loss, for a puller with our schema."""
+        request = decode_pull_request(message)
+        mismatch = schema_mismatch(self._schema, request.schema, str(context.remote_id))
         if mismatch is not None:
             logger.debug("refusing a gossip pull: %s", mismatch)
             raise ValidationError(f"{self.peer.peer_id} refuses the pull: {mismatch}")
         tensors, samples, loss = await asyncio.to_thread(self._snapshot)
         self.pulls_served += 1
-        return {
-            "tensors": tensors_to_message(tensors, self.compression),
-            "samples": samples,
-            "loss": loss,
-        }
+        return PullAnswer(tensors_to_message(tensors, self.compression), samples, loss).encode()
 
     def _snapshot(self) -> tuple[list[torch.Tensor], float, float | None]:
         with self.lock:
@@ -343,7 +348,7 @@ class AsyncGossipAverager:
             answer = await self.peer.call(
                 peer_id,
                 self.rpc_name,
-                {"v": PROTOCOL_VERSION, "schema": self._schema},
+                PullRequest(self._schema).encode(),
                 timeout=self.request_timeout,
             )
             remote, samples, loss = self._check_answer(peer_id, answer)
@@ -361,21 +366,15 @@ class AsyncGossipAverager:
     def _check_answer(
         self, peer_id: PeerID, answer: Any
     ) -> tuple[list[torch.Tensor], float, float | None]:
-        if not isinstance(answer, dict):
-            raise ProtocolViolation(f"gossip answer from {peer_id} is not a dict")
-        remote = tensors_from_message(answer.get("tensors"), f"tensors from {peer_id}")
+        pulled = decode_pull_answer(answer, peer_id)
+        remote = tensors_from_message(pulled.tensors, f"tensors from {peer_id}")
         mismatch = schema_mismatch(self._schema, _schema(remote), str(peer_id))
         if mismatch is not None:
             raise ProtocolViolation(mismatch)
         for i, tensor in enumerate(remote):
             if not torch.isfinite(tensor).all():
                 raise ProtocolViolation(f"tensor {i} from {peer_id} holds NaN or Inf values")
-        samples, loss = answer.get("samples"), answer.get("loss")
-        if type(samples) not in (int, float) or not math.isfinite(samples) or samples < 0:
-            raise ProtocolViolation(f"{peer_id} reports an invalid sample clock {samples!r}")
-        if loss is not None and (type(loss) not in (int, float) or not math.isfinite(loss)):
-            raise ProtocolViolation(f"{peer_id} reports an invalid loss {loss!r}")
-        return remote, float(samples), loss
+        return remote, pulled.samples, pulled.loss
 
     def _mix(
         self,
@@ -417,20 +416,6 @@ class AsyncGossipAverager:
         with self._clock_lock:
             self.samples_seen = (1 - factor) * self.samples_seen + factor * remote_samples
         return GossipResult(peer_id, factor, distance, None, failures)
-
-
-def _parse_declaration(subkey: Any, entry: Any) -> tuple[PeerID, tuple[str, ...]] | None:
-    value = entry.value if isinstance(entry, ValueWithExpiration) else entry
-    try:
-        peer_id = PeerID.from_base58(subkey)
-    except Exception:
-        return None
-    if not isinstance(value, dict) or value.get("v") != PROTOCOL_VERSION:
-        return None
-    maddrs = value.get("maddrs")
-    if not isinstance(maddrs, list) or not all(isinstance(m, str) for m in maddrs):
-        return None
-    return peer_id, tuple(maddrs[:MAX_MADDRS])
 
 
 def _is_number(value: Any) -> bool:
