@@ -196,8 +196,8 @@ def test_a_donor_lying_about_its_metadata_is_dropped(caplog):
     state = make_state(4)
 
     class BadMetadataDonor(StateSharing):
-        async def _rpc_manifest(self, request, context):
-            answer = await super()._rpc_manifest(request, context)
+        async def rpc_manifest(self, request, context):
+            answer = await super().rpc_manifest(request, context)
             answer["metadata"] = type(answer["metadata"])(b"\x91\x01")  # msgpack [1]
             return answer
 
@@ -563,11 +563,11 @@ def test_donors_keep_answering_other_calls_while_they_snapshot_and_serve(arun):
         gate: asyncio.Event
         reached: asyncio.Event
 
-        async def _rpc_chunk(self, request, context):
+        async def rpc_chunk(self, request, context):
             if request["index"] >= 12:
                 self.reached.set()
                 await self.gate.wait()
-            return await super()._rpc_chunk(request, context)
+            return await super().rpc_chunk(request, context)
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -14,12 +14,24 @@ download. ``bw`` is the bandwidth the donor announced to its averager (any unit,
 same across the run; absent in declarations of older peers): among donors of equal
 priority, joiners ask those with faster links first, so a slow volunteer's uplink is not
 spent serving whole models while a fast one idles (DeDLOC sizes the all-reduce's spans
-the same way). The donor's RPCs (``<prefix>.state.manifest``, ``.chunk``, ``.release``) are
-described in :mod:`swarmgrad.averaging.state.sharing`.
+the same way).
+
+The donor's RPCs, served by :class:`~.sharing.StateSharing` under ``<prefix>.state``:
+
+* ``.manifest`` — :class:`ManifestRequest` in; a :class:`ManifestOffer` (a download
+  session: its id, the donor's priority, the snapshot's manifest and metadata) or a
+  :class:`StateRefusal` (``busy``, ``unavailable``) out.
+* ``.chunk`` — :class:`ChunkRequest` (session, chunk index) in; :class:`ChunkParts` or a
+  :class:`StateRefusal` (``expired``: no such session) out.
+* ``.release`` — :class:`ReleaseRequest` in (the downloader is done); ``{"status": "ok"}``.
+
+``decode_*`` check shapes and types and raise ProtocolViolation naming the field; the
+manifest itself is checked by :meth:`~.chunks.StateManifest.from_wire`.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import random
@@ -30,13 +42,25 @@ from typing import Any
 
 from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.net.identity import PeerID
+from swarmgrad.utils.errors import ProtocolViolation
 
 __all__ = [
+    "ChunkParts",
+    "ChunkRequest",
     "DonorRecord",
+    "ManifestOffer",
+    "ManifestRequest",
+    "ReleaseRequest",
+    "StateRefusal",
+    "Status",
     "StateRPC",
     "declaration_key",
     "encode_declaration",
     "order_donors",
+    "decode_chunk_answer",
+    "decode_chunk_request",
+    "decode_manifest_answer",
+    "decode_release_request",
     "parse_declarations",
 ]
 
@@ -45,8 +69,158 @@ logger = logging.getLogger(__name__)
 DECLARATION_VERSION = 1
 MAX_MADDRS = 16
 
-# status of a manifest or chunk answer
-OK, BUSY, UNAVAILABLE, EXPIRED = "ok", "busy", "unavailable", "expired"
+MAX_SESSION_ID_BYTES = 64
+
+
+class Status(enum.StrEnum):
+    """The ``status`` of a manifest or chunk answer."""
+
+    OK = "ok"  # here it is
+    BUSY = "busy"  # the donor serves max_concurrent_downloads already: try another
+    UNAVAILABLE = "unavailable"  # not sharing now (not allowed, shutting down, no snapshot)
+    EXPIRED = "expired"  # no such download session (idle too long, or released)
+
+
+OK, BUSY, UNAVAILABLE, EXPIRED = Status.OK, Status.BUSY, Status.UNAVAILABLE, Status.EXPIRED
+
+
+def _number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float)
+
+
+@dataclass(frozen=True)
+class StateRefusal:
+    """A donor's "not now": why, for the logs and for choosing other donors."""
+
+    status: Status | str  # a Status other than OK; an unknown one from a newer peer: text
+    reason: str = ""
+
+    def encode(self) -> dict[str, Any]:
+        return {"status": str(self.status), "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class ManifestRequest:
+    """A downloader asks a donor to open a download session."""
+
+    version: int = 1
+
+    def encode(self) -> dict[str, Any]:
+        return {"v": self.version}
+
+
+@dataclass(frozen=True)
+class ManifestOffer:
+    """An open session: chunks of the snapshot described by ``manifest`` (its wire form)
+    can be fetched under ``session`` until it stays idle for ``idle_timeout`` seconds."""
+
+    session: bytes
+    priority: float
+    manifest: Any  # StateManifest.to_wire(); checked by StateManifest.from_wire
+    metadata: Any  # the snapshot's metadata bytes (a Blob when sent)
+    idle_timeout: float
+
+    def encode(self) -> dict[str, Any]:
+        return {
+            "status": str(Status.OK),
+            "session": self.session,
+            "priority": self.priority,
+            "manifest": self.manifest,
+            "metadata": self.metadata,
+            "idle_timeout": self.idle_timeout,
+        }
+
+
+def _refusal(message: dict) -> StateRefusal:
+    status = message.get("status")
+    try:
+        status = Status(status)
+    except ValueError:
+        status = str(status)
+    return StateRefusal(status, str(message.get("reason", "")))
+
+
+def decode_manifest_answer(message: Any, donor: Any) -> ManifestOffer | StateRefusal:
+    """A donor's manifest answer; ProtocolViolation naming the field if malformed."""
+    if not isinstance(message, dict):
+        raise ProtocolViolation(f"a manifest answer must be a dict, got {message!r:.60}")
+    if message.get("status") != Status.OK:
+        return _refusal(message)
+    session, priority = message.get("session"), message.get("priority")
+    idle_timeout = message.get("idle_timeout")
+    if not isinstance(session, bytes) or not 0 < len(session) <= MAX_SESSION_ID_BYTES:
+        raise ProtocolViolation(f"manifest answer from {donor}: session must be 1 to 64 bytes")
+    if not _number(priority) or not math.isfinite(priority):
+        raise ProtocolViolation(
+            f"manifest answer from {donor}: priority {priority!r} is not a finite number"
+        )
+    if idle_timeout is not None and not _number(idle_timeout):
+        raise ProtocolViolation(
+            f"manifest answer from {donor}: idle_timeout {idle_timeout!r} is not a number"
+        )
+    return ManifestOffer(
+        session,
+        float(priority),
+        message.get("manifest"),
+        message.get("metadata"),
+        float(idle_timeout) if idle_timeout is not None else math.inf,
+    )
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """Chunk ``index`` of the snapshot of a session."""
+
+    session: bytes | None  # None: a malformed session id, answered as an unknown session
+    index: int
+
+    def encode(self) -> dict[str, Any]:
+        return {"session": self.session, "index": self.index}
+
+
+def decode_chunk_request(message: Any) -> ChunkRequest:
+    if not isinstance(message, dict):
+        raise ProtocolViolation("malformed chunk request: must be a dict {'session', 'index'}")
+    session, index = message.get("session"), message.get("index")
+    if type(index) is not int:
+        raise ProtocolViolation(f"malformed chunk request: index {index!r:.40} is not an int")
+    return ChunkRequest(session if isinstance(session, bytes) else None, index)
+
+
+@dataclass(frozen=True)
+class ChunkParts:
+    """One chunk's bytes, in parts (Blobs when sent)."""
+
+    parts: list
+
+    def encode(self) -> dict[str, Any]:
+        return {"status": str(Status.OK), "parts": self.parts}
+
+
+def decode_chunk_answer(message: Any, donor: Any, chunk: int) -> ChunkParts | StateRefusal:
+    """ProtocolViolation if malformed; a list of parts that is not a list is the caller's
+    to treat as a corrupt chunk (the parts are checked against the manifest's digests)."""
+    if not isinstance(message, dict):
+        raise ProtocolViolation(f"chunk {chunk} answer from {donor} is not a dict")
+    if message.get("status") != Status.OK:
+        return _refusal(message)
+    return ChunkParts(message.get("parts"))
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    """The downloader is done with ``session``: the donor may free its slot."""
+
+    session: bytes | None
+
+    def encode(self) -> dict[str, Any]:
+        return {"session": self.session}
+
+
+def decode_release_request(message: Any) -> ReleaseRequest:
+    """Lenient: a malformed release releases nothing (it is only a courtesy)."""
+    session = message.get("session") if isinstance(message, dict) else None
+    return ReleaseRequest(session if isinstance(session, bytes) else None)
 
 
 def declaration_key(prefix: str) -> str:
