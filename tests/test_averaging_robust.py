@@ -374,7 +374,7 @@ def test_the_facade_takes_the_rule_and_the_ban_and_refuses_bad_values_by_name():
         for options, reason in (
             ({"aggregation": "centered_clip"}, "aggregation must be an AggregationRule"),
             ({"ban_after": 0}, "ban_after must be a positive int or None"),
-            ({"ban_duration": -1}, "ban_duration must be positive seconds"),
+            ({"ban_duration": -1}, "ban_duration must be a positive number of seconds"),
             ({"ban_after": 3, "ban_window": 2}, "ban_window must be an int >= ban_after"),
             ({"ban_after": 3, "ban_window": 4.5}, "ban_window must be an int >= ban_after"),
             ({"ban_after": 3, "ban_window": True}, "ban_window must be an int >= ban_after"),

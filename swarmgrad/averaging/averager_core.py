@@ -38,20 +38,18 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
 from swarmgrad.averaging.allreduce.pacing import SendPacer
-from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES, tensor_schema
+from swarmgrad.averaging.allreduce.partition import tensor_schema
 from swarmgrad.averaging.allreduce.round_plan import (
     RoundPlan,
     RoundSkipped,
-    check_aggregate_tag,
     encode_member_info,
     plan_round,
 )
@@ -60,42 +58,24 @@ from swarmgrad.averaging.allreduce.runner import AllReduceRunner
 from swarmgrad.averaging.allreduce.types import AllReduceResult, AveragingMode, GroupMismatch
 from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.matchmaking.driver import Matchmaking
+from swarmgrad.averaging.options import AveragerOptions
 from swarmgrad.averaging.robust.offenders import OffenderLog
-from swarmgrad.averaging.robust.rules import AggregationRule
 from swarmgrad.averaging.rounds import AveragingRound, PhaseResult, check_averaged_tensors
-from swarmgrad.averaging.state.chunks import resolve_state_compression
 from swarmgrad.averaging.state.download import load_state_from_peers
 from swarmgrad.averaging.state.sharing import StateSharing
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.averaging.tensor_lock import LoopLockHolder
-from swarmgrad.compression import CompressionBase, CompressionType, get_codec
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
+from swarmgrad.utils.checks import optional_positive_seconds
 from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
 __all__ = ["AsyncDecentralizedAverager", "AveragingRound", "PhaseResult", "check_averaged_tensors"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_GROUP_SIZE = 256  # target_group_size=None: as many as matchmaking gathers
 _MIN_SEARCH_WINDOW = 30.0  # seconds one matchmaking attempt lasts when a step has no timeout
-
-
-def _optional_positive(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValidationError(f"{name} must be a positive number of seconds or None, got {value!r}")
-    return float(value)
-
-
-def _positive_seconds(name: str, value: Any) -> float:
-    """A finite positive duration, checked before any use (``float(None)`` would raise a
-    TypeError that does not name the option; NaN would pass ``value <= 0``)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 class AsyncDecentralizedAverager:
@@ -125,175 +105,86 @@ class AsyncDecentralizedAverager:
         peer: Peer,
         dht_node: DHTNode,
         *,
-        prefix: str,
-        target_group_size: int | None = None,
-        min_group_size: int = 2,
-        initial_group_bits: str = "",
-        min_matchmaking_time: float = 5.0,
-        request_timeout: float = 3.0,
-        averaging_alpha: float = 1.0,
-        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
-        allreduce_timeout: float | None = None,
-        next_chunk_timeout: float | None = None,
-        sender_timeout: float | None = None,
-        reducer_timeout: float | None = None,
-        compression: CompressionBase | CompressionType | str = CompressionType.NONE,
-        state_compression: CompressionBase | CompressionType | str | None = None,
-        bandwidth: float | None = None,
-        min_vector_size: int = 0,
-        auxiliary: bool = False,
-        allow_state_sharing: bool | None = None,
-        declare_state_period: float = 30.0,
-        client_mode: bool = False,
+        options: AveragerOptions | None = None,
         get_state: Callable[[], Any] | None = None,
-        aggregate: Callable[[AveragingRound], Awaitable[None]] | None = None,
-        aggregate_tag: str | None = None,
-        aggregation: AggregationRule | None = None,
-        ban_after: int | None = None,
-        ban_window: int | None = None,
-        ban_duration: float = 600.0,
         state_priority: float = 0.0,
         lock: Any = None,
-        timeouts: AdaptiveTimeouts | None = None,
-        max_gather_bytes: int = 1 << 20,
-        rotate_group_bits: bool = True,
-        state_sharing_options: dict[str, Any] | None = None,
-        state_download_options: dict[str, Any] | None = None,
-        rng: random.Random | None = None,
+        **option_kwargs: Any,
     ):
+        if options is None:
+            options = AveragerOptions.from_kwargs(**option_kwargs)
+        elif option_kwargs:
+            raise ValidationError(
+                f"pass the averager's options either as options= or by name, not both "
+                f"(got both options= and {sorted(option_kwargs)})"
+            )
+        elif not isinstance(options, AveragerOptions):
+            raise ValidationError(f"options must be an AveragerOptions, got {options!r:.80}")
+        self.options = o = options
         self.tensors = check_averaged_tensors(averaged_tensors)
         self._detached = [t.detach() for t in self.tensors]
         self.schema = tensor_schema(self._detached)
         self.total_size = sum(t.numel() for t in self._detached)
-        if aggregate is not None and not callable(aggregate):
-            raise ValidationError(f"aggregate must be a coroutine function, got {aggregate!r}")
-        if (aggregate is None) != (aggregate_tag is None):
-            # a hook without a tag would average with peers that run another one (or none)
-            raise ValidationError(
-                "aggregate and aggregate_tag go together: the tag tells peers how this one "
-                f"combines its tensors (got aggregate={aggregate!r}, aggregate_tag="
-                f"{aggregate_tag!r})"
-            )
-        if aggregate_tag is not None and not check_aggregate_tag(aggregate_tag):
-            raise ValidationError("aggregate_tag must not be empty")
-        if aggregation is not None and not isinstance(aggregation, AggregationRule):
-            raise ValidationError(
-                f"aggregation must be an AggregationRule (CenteredClip(...), TrimmedMean(...)), "
-                f"got {aggregation!r}"
-            )
-        if ban_after is not None and (
-            isinstance(ban_after, bool) or not isinstance(ban_after, int) or ban_after < 1
-        ):
-            raise ValidationError(f"ban_after must be a positive int or None, got {ban_after!r}")
-        if ban_window is not None and (
-            isinstance(ban_window, bool)
-            or not isinstance(ban_window, int)
-            or ban_window < (ban_after or 1)
-        ):
-            raise ValidationError(
-                f"ban_window must be an int >= ban_after ({ban_after}) or None, got {ban_window!r}"
-            )
-        if not isinstance(ban_duration, int | float) or not 0 < ban_duration < math.inf:
-            raise ValidationError(f"ban_duration must be positive seconds, got {ban_duration!r}")
-        self._aggregate = aggregate
-        self.aggregation = aggregation
-        # what members compare before averaging: the custom hook's tag and the robust rule
-        self.aggregate_tag = "+".join(
-            t for t in (aggregate_tag, aggregation.tag if aggregation else None) if t
-        )
-        if not isinstance(averaging_alpha, int | float) or not 0 < averaging_alpha <= 1:
-            raise ValidationError(f"averaging_alpha must be in (0, 1], got {averaging_alpha!r}")
-        if type(part_size_bytes) is not int or part_size_bytes <= 0:
-            raise ValidationError(f"part_size_bytes must be a positive int, got {part_size_bytes}")
-        if type(min_vector_size) is not int or min_vector_size < 0:
-            raise ValidationError(f"min_vector_size must be an int >= 0, got {min_vector_size!r}")
-        if bandwidth is not None and (
-            isinstance(bandwidth, bool)
-            or not isinstance(bandwidth, int | float)
-            or not 0 < bandwidth < math.inf
-        ):
-            raise ValidationError(f"bandwidth must be a positive number or None, got {bandwidth!r}")
-        if auxiliary and client_mode:
-            raise ValidationError(
-                "an auxiliary peer reduces others' parts, so it must accept connections: "
-                "auxiliary=True needs client_mode=False"
-            )
-        if allow_state_sharing is None:
-            allow_state_sharing = not client_mode and not auxiliary
-        if allow_state_sharing and client_mode:
-            raise ValidationError("a client-mode peer cannot share its state (nobody can call it)")
-        self.peer, self.dht_node, self.prefix = peer, dht_node, prefix
-        self.mode = (
-            AveragingMode.CLIENT
-            if client_mode
-            else AveragingMode.AUX
-            if auxiliary
-            else AveragingMode.NODE
-        )
-        self.target_group_size = (
-            DEFAULT_MAX_GROUP_SIZE if target_group_size is None else target_group_size
-        )
-        self.min_matchmaking_time = _positive_seconds("min_matchmaking_time", min_matchmaking_time)
-        self.request_timeout = _positive_seconds("request_timeout", request_timeout)
-        declare_state_period = _positive_seconds("declare_state_period", declare_state_period)
-        if type(max_gather_bytes) is not int or max_gather_bytes <= 0:
-            raise ValidationError(
-                f"max_gather_bytes must be a positive int, got {max_gather_bytes!r}"
-            )
-        get_codec(compression)  # an unknown codec fails here, not in every round
-        self.averaging_alpha = float(averaging_alpha)
-        self.part_size_bytes = part_size_bytes
-        self.allreduce_timeout = _optional_positive("allreduce_timeout", allreduce_timeout)
-        self.next_chunk_timeout = _optional_positive("next_chunk_timeout", next_chunk_timeout)
-        sender_timeout = _optional_positive("sender_timeout", sender_timeout)
-        self.sender_timeout = sender_timeout if sender_timeout is not None else next_chunk_timeout
-        self.reducer_timeout = _optional_positive("reducer_timeout", reducer_timeout)
-        self.compression = compression
+        self._aggregate = o.aggregate
+        self.aggregation = o.aggregation
+        self.aggregate_tag = o.combined_tag
+        self.peer, self.dht_node, self.prefix = peer, dht_node, o.prefix
+        self.mode = o.mode
+        self.target_group_size = o.max_group_size
+        self.min_matchmaking_time = o.min_matchmaking_time
+        self.request_timeout = o.request_timeout
+        self.averaging_alpha = o.averaging_alpha
+        self.part_size_bytes = o.part_size_bytes
+        self.allreduce_timeout = o.allreduce_timeout
+        self.next_chunk_timeout = o.next_chunk_timeout
+        self.sender_timeout = o.effective_sender_timeout
+        self.reducer_timeout = o.reducer_timeout
+        self.compression = o.compression
         # the codec of the snapshots this peer shares (None: exact); joiners decode any
-        self.state_compression = resolve_state_compression(state_compression)
-        self.bandwidth = None if bandwidth is None else float(bandwidth)
-        self.min_vector_size = min_vector_size
+        self.state_compression = o.state_compression
+        self.bandwidth = o.bandwidth
+        self.min_vector_size = o.min_vector_size
         self.lock = lock if lock is not None else threading.RLock()
-        self._timeouts = timeouts if timeouts is not None else AdaptiveTimeouts()
+        self._timeouts = o.timeouts if o.timeouts is not None else AdaptiveTimeouts()
         self._timeouts_for_round()  # validates the explicit timeouts now, not in a round
         self.state_sharing: StateSharing | None = None
-        if not client_mode:
+        if not o.client_mode:
             self.state_sharing = StateSharing(
                 peer,
                 dht_node,
-                prefix=prefix,
+                prefix=o.prefix,
                 get_state=get_state or self.get_current_state,
                 priority=state_priority,
-                allow_state_sharing=allow_state_sharing,
-                declare_state_period=declare_state_period,
+                allow_state_sharing=o.allow_state_sharing,
+                declare_state_period=o.declare_state_period,
                 state_lock=self.lock,
                 bandwidth=self.bandwidth,
-                **{"state_compression": self.state_compression, **(state_sharing_options or {})},
+                **{"state_compression": self.state_compression, **(o.state_sharing_options or {})},
             )
-        self._download_options = dict(state_download_options or {})
+        self._download_options = dict(o.state_download_options or {})
         if self.next_chunk_timeout is not None:
             self._download_options.setdefault("chunk_timeout", self.next_chunk_timeout)
         # last: it registers this prefix's join handler on the peer
         self.matchmaking = Matchmaking(
             peer,
             dht_node,
-            prefix=prefix,
-            target_group_size=self.target_group_size,
-            min_group_size=min_group_size,
-            min_matchmaking_time=min_matchmaking_time,
-            request_timeout=request_timeout,
-            client_mode=client_mode,
-            initial_group_bits=initial_group_bits,
-            max_gather_bytes=max_gather_bytes,
-            rotate_group_bits=rotate_group_bits,
-            rng=rng,
+            prefix=o.prefix,
+            target_group_size=o.max_group_size,
+            min_group_size=o.min_group_size,
+            min_matchmaking_time=o.min_matchmaking_time,
+            request_timeout=o.request_timeout,
+            client_mode=o.client_mode,
+            initial_group_bits=o.initial_group_bits,
+            max_gather_bytes=o.max_gather_bytes,
+            rotate_group_bits=o.rotate_group_bits,
+            rng=o.rng,
         )
         self.last_result: AllReduceResult | None = None
         # steps that averaged with someone / that ended without a round (or with an
         # error), for the peer's metrics; a cancelled step counts as neither
         self.rounds_succeeded = 0
         self.rounds_failed = 0
-        self.offenders = OffenderLog(ban_after, float(ban_duration), prefix, ban_window)
+        self.offenders = OffenderLog(o.ban_after, o.ban_duration, o.prefix, o.ban_window)
         self.matchmaking.is_banned = self.offenders.is_banned
         self._lock_holder = LoopLockHolder(self.lock)
         self._step_lock = asyncio.Lock()
@@ -385,7 +276,7 @@ class AsyncDecentralizedAverager:
         """Download the best state shared under this prefix: ``(metadata, tensors)``, or
         None if no donor could provide it within ``timeout`` seconds."""
         self._check_running()
-        timeout = _optional_positive("timeout", timeout)
+        timeout = optional_positive_seconds("timeout", timeout)
         return await load_state_from_peers(
             self.peer, self.dht_node, prefix=self.prefix, timeout=timeout, **self._download_options
         )
@@ -435,7 +326,7 @@ class AsyncDecentralizedAverager:
         docstring). ``control`` (from :meth:`new_control`) replaces ``scheduled_time``,
         ``weight`` and ``require_trigger`` and lets another task trigger or cancel."""
         self._check_running()
-        timeout = _optional_positive("timeout", timeout)
+        timeout = optional_positive_seconds("timeout", timeout)
         if control is None:
             control = self.new_control(scheduled_time, weight, require_trigger)
         task = asyncio.current_task()

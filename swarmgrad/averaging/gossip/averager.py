@@ -58,6 +58,7 @@ from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
 from swarmgrad.net.rpc import RPCContext, ServicerBase
+from swarmgrad.utils.checks import positive_seconds
 from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
 
@@ -447,13 +448,9 @@ class GossipAverager:
         shutdown_timeout: float = 10.0,
         **kwargs: Any,
     ):
-        if not _is_number(shutdown_timeout) or not 0 < shutdown_timeout < math.inf:
-            # else shutdown() would give up at once and leave the averager half stopped
-            raise ValidationError(
-                f"shutdown_timeout must be a positive number of seconds, got {shutdown_timeout!r}"
-            )
+        # else shutdown() would give up at once and leave the averager half stopped
+        self.shutdown_timeout = positive_seconds("shutdown_timeout", shutdown_timeout)
         self.dht = dht
-        self.shutdown_timeout = shutdown_timeout
         self._options = dict(
             prefix=prefix,
             mixing=mixing,

@@ -75,6 +75,7 @@ from swarmgrad.net.identity import PeerID
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.peer import Peer
 from swarmgrad.net.rpc import RPCContext, ServicerBase
+from swarmgrad.utils.checks import positive_seconds
 from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
 
 __all__ = ["JOIN_GROUP", "Matchmaking", "Rejection"]
@@ -246,8 +247,7 @@ class Matchmaking:
             raise SwarmgradError(f"matchmaking for {self.prefix!r} is shut down")
         if self._search is not None:
             raise SwarmgradError(f"{self.peer.peer_id} is already looking for a group")
-        if not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
-            raise ValidationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = positive_seconds("timeout", timeout)
         if not isinstance(data_for_gather, bytes | bytearray | memoryview):
             raise ValidationError(
                 f"data_for_gather must be bytes, got {type(data_for_gather).__name__}"

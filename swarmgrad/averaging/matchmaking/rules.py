@@ -29,7 +29,7 @@ from swarmgrad.averaging.matchmaking.protocol import (
     Rejection,
 )
 from swarmgrad.net.identity import PeerID
-from swarmgrad.utils.checks import positive_seconds
+from swarmgrad.utils.checks import positive_int, positive_seconds
 from swarmgrad.utils.errors import ProtocolViolation, ValidationError
 
 __all__ = ["TICK", "LeaderView", "MatchmakingRules"]
@@ -72,9 +72,7 @@ class MatchmakingRules:
             raise ValidationError(
                 f"min_group_size must be an int in [1, target_group_size={size}], got {least!r}"
             )
-        gather = self.max_gather_bytes
-        if isinstance(gather, bool) or not isinstance(gather, int) or gather <= 0:
-            raise ValidationError(f"max_gather_bytes must be a positive int, got {gather!r}")
+        positive_int("max_gather_bytes", self.max_gather_bytes)
         # frozen: the checked values replace the given ones through object.__setattr__
         for name in ("min_matchmaking_time", "request_timeout"):
             object.__setattr__(self, name, positive_seconds(name, getattr(self, name)))
