@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES
+from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES, check_tensor_infos
 from swarmgrad.averaging.allreduce.types import AllReduceResult
 from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager
 from swarmgrad.averaging.options import AveragerOptions
 from swarmgrad.averaging.rounds import check_averaged_tensors
 from swarmgrad.averaging.step_control import StepControl
-from swarmgrad.compression import CompressionBase, CompressionType, NoCompression
+from swarmgrad.compression import CompressionBase, CompressionInfo, CompressionType, NoCompression
 from swarmgrad.dht.dht import DHT
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.checks import positive_seconds
@@ -95,6 +95,11 @@ class DecentralizedAverager:
         peer shares (e.g. ``Float16Compression()``: joiners download half the bytes and
         get float16-rounded values back in the original dtype); integer and other
         tensors are sent exact. Joiners decode whatever codec the donor used.
+      tensor_infos: one :class:`~swarmgrad.compression.CompressionInfo` per averaged
+        tensor, in order, telling ``compression`` what each tensor is (its ``key`` and
+        ``role``: e.g. a :class:`~swarmgrad.compression.PerTensorCompression` or
+        role-adaptive codec picks by them; hivemind's meaning). Default: keys are the
+        tensors' indices, roles unspecified.
       bandwidth: this peer's bandwidth (any unit, the same for the whole run): spans are
         sized to it. None: unknown (counts as the group's mean).
       min_vector_size: a member never reduces fewer elements than this (its share goes
@@ -141,6 +146,7 @@ class DecentralizedAverager:
         reducer_timeout: float | None = None,
         compression: CompressionBase | CompressionType | str = NoCompression(),
         state_compression: CompressionBase | CompressionType | str = NoCompression(),
+        tensor_infos: Sequence[CompressionInfo] | None = None,
         bandwidth: float | None = None,
         min_vector_size: int = 0,
         auxiliary: bool = False,
@@ -173,6 +179,7 @@ class DecentralizedAverager:
             reducer_timeout=reducer_timeout,
             compression=compression,
             state_compression=state_compression,
+            tensor_infos=check_tensor_infos(tensor_infos, len(self._averaged_tensors)),
             bandwidth=bandwidth,
             min_vector_size=min_vector_size,
             auxiliary=auxiliary,

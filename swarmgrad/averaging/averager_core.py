@@ -46,7 +46,7 @@ import torch
 
 from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
 from swarmgrad.averaging.allreduce.pacing import SendPacer
-from swarmgrad.averaging.allreduce.partition import tensor_schema
+from swarmgrad.averaging.allreduce.partition import check_tensor_infos, tensor_schema
 from swarmgrad.averaging.allreduce.round_plan import (
     RoundPlan,
     RoundSkipped,
@@ -65,6 +65,7 @@ from swarmgrad.averaging.state.download import load_state_from_peers
 from swarmgrad.averaging.state.sharing import StateSharing
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.averaging.tensor_lock import LoopLockHolder
+from swarmgrad.compression import CompressionInfo
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
@@ -125,6 +126,7 @@ class AsyncDecentralizedAverager:
         self._detached = [t.detach() for t in self.tensors]
         self.schema = tensor_schema(self._detached)
         self.total_size = sum(t.numel() for t in self._detached)
+        self.tensor_infos = check_tensor_infos(o.tensor_infos, len(self.tensors))
         self._aggregate = o.aggregate
         self.aggregation = o.aggregation
         self.aggregate_tag = o.combined_tag
@@ -508,7 +510,14 @@ class AsyncDecentralizedAverager:
                     return None
             if self._aggregate is None:
                 runner = self._runner(
-                    plan, plan.group, self._detached, plan.span_sizes, weight, budget, send_pacer
+                    plan,
+                    plan.group,
+                    self._detached,
+                    plan.span_sizes,
+                    weight,
+                    budget,
+                    send_pacer,
+                    tensor_infos=self.tensor_infos,
                 )
                 return await runner.run()
             deadline = None if budget is None else loop.time() + budget
@@ -532,6 +541,7 @@ class AsyncDecentralizedAverager:
         weight: float,
         budget: float | None,
         send_pacer: SendPacer | None = None,
+        tensor_infos: Sequence[CompressionInfo] | None = None,
     ) -> AllReduceRunner:
         return AllReduceRunner(
             self.peer,
@@ -547,6 +557,7 @@ class AsyncDecentralizedAverager:
             averaging_alpha=self.averaging_alpha,
             aggregation=self.aggregation,
             send_pacer=send_pacer,
+            tensor_infos=tensor_infos,
         )
 
     def __repr__(self) -> str:

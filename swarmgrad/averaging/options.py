@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
-from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES
+from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES, check_tensor_infos
 from swarmgrad.averaging.allreduce.round_plan import check_aggregate_tag
 from swarmgrad.averaging.allreduce.types import AveragingMode
 from swarmgrad.averaging.robust.rules import AggregationRule
 from swarmgrad.averaging.state.chunks import resolve_state_compression
-from swarmgrad.compression import CompressionBase, CompressionType, get_codec
+from swarmgrad.compression import CompressionBase, CompressionInfo, CompressionType, get_codec
 from swarmgrad.utils.checks import (
     check_peer_role,
     fraction,
@@ -70,6 +70,9 @@ class AveragerOptions:
     bandwidth: float | None = None
     min_vector_size: int = 0
     timeouts: AdaptiveTimeouts | None = None
+    # hivemind's tensor_infos: one CompressionInfo per averaged tensor (key, role) for the
+    # codec; checked against the tensors by the engine, which knows them
+    tensor_infos: tuple[CompressionInfo, ...] | None = None
     # roles
     auxiliary: bool = False
     client_mode: bool = False
@@ -119,6 +122,8 @@ class AveragerOptions:
         elif self.allow_state_sharing and self.client_mode:
             raise ValidationError("a client-mode peer cannot share its state (nobody can call it)")
         self._check_aggregation()
+        if self.tensor_infos is not None:
+            put("tensor_infos", check_tensor_infos(self.tensor_infos, len(self.tensor_infos)))
         if self.timeouts is not None and not isinstance(self.timeouts, AdaptiveTimeouts):
             raise ValidationError(f"timeouts must be an AdaptiveTimeouts, got {self.timeouts!r}")
 

@@ -31,6 +31,7 @@ from swarmgrad.compression import (
     CompressionType,
     SerializedTensor,
     TensorDescriptor,
+    TensorRole,
     deserialize_torch_tensor,
     get_codec,
     serialize_torch_tensor,
@@ -83,6 +84,34 @@ class PartSpec:
 def tensor_schema(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
     """``[[dtype name, [shape...]], ...]``: what members compare before averaging."""
     return [[dtype_name(t.dtype), list(t.shape)] for t in tensors]
+
+
+def check_tensor_infos(
+    tensor_infos: Sequence[CompressionInfo] | None, num_tensors: int
+) -> tuple[CompressionInfo, ...] | None:
+    """hivemind's ``tensor_infos``: one :class:`CompressionInfo` per averaged tensor,
+    telling the codec what each tensor is (its ``key`` and ``role``, e.g. for
+    :class:`~swarmgrad.compression.PerTensorCompression` or a role-adaptive codec). The
+    descriptor a codec sees is always the tensor's own, so a stale one cannot mislead it."""
+    if tensor_infos is None:
+        return None
+    if isinstance(tensor_infos, CompressionInfo | str | bytes) or not isinstance(
+        tensor_infos, Sequence
+    ):
+        raise ValidationError(
+            f"tensor_infos must be a sequence of CompressionInfo, got {tensor_infos!r:.80}"
+        )
+    infos = tuple(tensor_infos)
+    for i, info in enumerate(infos):
+        if not isinstance(info, CompressionInfo):
+            raise ValidationError(
+                f"tensor_infos[{i}] is a {type(info).__name__}, not a CompressionInfo"
+            )
+    if len(infos) != num_tensors:
+        raise ValidationError(
+            f"tensor_infos has {len(infos)} entries for {num_tensors} averaged tensors"
+        )
+    return infos
 
 
 def _check_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -166,8 +195,10 @@ class TensorPartContainer:
         *,
         part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
         compression: CompressionType | str | CompressionBase = CompressionType.NONE,
+        tensor_infos: Sequence[CompressionInfo] | None = None,
     ):
         self.tensors = _check_tensors(tensors)
+        self.tensor_infos = check_tensor_infos(tensor_infos, len(self.tensors))
         if type(part_size_bytes) is not int or part_size_bytes <= 0:
             raise ValidationError(
                 f"part_size_bytes must be a positive int, got {part_size_bytes!r}"
@@ -230,9 +261,11 @@ class TensorPartContainer:
         """The part compressed with the container's codec."""
         spec = self.parts[span_index][part_index]
         first = spec.pieces[0].tensor_index
+        given = self.tensor_infos[first] if self.tensor_infos is not None else None
         info = CompressionInfo(
-            key=first,
+            key=first if given is None else given.key,
             descriptor=self._descriptors[first],
+            role=TensorRole.UNSPECIFIED if given is None else given.role,
             part_index=part_index,
             part_size=spec.numel,
         )

@@ -88,10 +88,7 @@ from swarmgrad.averaging.allreduce.types import (
 from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.robust.reducer import RobustPartReducer
 from swarmgrad.averaging.robust.rules import AggregationRule
-from swarmgrad.compression import (
-    CompressionBase,
-    CompressionType,
-)
+from swarmgrad.compression import CompressionBase, CompressionInfo, CompressionType
 from swarmgrad.compression.base import all_finite, tensor_bytes
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import (
@@ -155,6 +152,7 @@ class AllReduceRunner(OwnerRole):
         buffer_pool: BufferPool | None = None,
         aggregation: AggregationRule | None = None,
         send_pacer: SendPacer | None = None,
+        tensor_infos: Sequence[CompressionInfo] | None = None,
     ):
         self.peer = peer
         if send_pacer is not None and not isinstance(send_pacer, SendPacer):
@@ -193,6 +191,7 @@ class AllReduceRunner(OwnerRole):
             self._spans(total, span_sizes, peer_fractions),
             part_size_bytes=part_size_bytes,
             compression=compression,
+            tensor_infos=tensor_infos,
         )
         self.schema = tensor_schema(self.container.tensors)
         self.span_sizes = self.container.span_sizes
