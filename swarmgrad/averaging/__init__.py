@@ -1,5 +1,22 @@
 """Fault-tolerant averaging: Moshpit matchmaking, butterfly all-reduce, load balancing,
-gossip, and state download for joining peers."""
+gossip, and state download for joining peers.
+
+Where things are:
+
+* :mod:`.averager` — :class:`DecentralizedAverager`, the public facade (hivemind's
+  signature); :mod:`.averager_core` its engine on the event loop, :mod:`.rounds` what a
+  custom ``aggregate`` hook gets, :mod:`.options` the options, validated once.
+* :mod:`.matchmaking` — ``protocol`` (``averaging.join_group``), ``rules`` (who leads,
+  who follows, when a group begins; no I/O), ``group_bits`` and ``key_manager`` (group
+  keys in the DHT), ``driver`` (:class:`Matchmaking`, the I/O).
+* :mod:`.allreduce` — ``protocol`` (``averaging.aggregate_part``), ``types`` (modes,
+  results, errors), ``round_plan``/``partition``/``load_balancing`` (who reduces what),
+  ``runner`` and ``owner`` (one round), ``router``, ``buffers``, ``deadlines``, ``pacing``.
+* :mod:`.robust` — ``rules`` (CenteredClip, trimmed mean), ``reducer``, ``offenders``.
+* :mod:`.state` — ``protocol`` (declarations and the donor RPCs), ``chunks``,
+  ``scheduler``, ``sharing``, ``download``.
+* :mod:`.gossip` — ``protocol``, ``rules`` (dpwa mixing), ``averager``.
+"""
 
 from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
 from swarmgrad.averaging.allreduce.load_balancing import load_balance_peers
