@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swarmgrad.averaging.allreduce.partition import check_tensors
 from swarmgrad.averaging.allreduce.round_plan import RoundPlan
 from swarmgrad.averaging.allreduce.types import AllReduceResult, AveragingMode
 from swarmgrad.averaging.group_info import GroupInfo
@@ -22,31 +23,15 @@ if TYPE_CHECKING:
 
 __all__ = ["AveragingRound", "PhaseResult", "check_averaged_tensors"]
 
-_AVERAGEABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PHASE_TAG = b"swarmgrad.averaging.phase:"
 _PHASE_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
 
 def check_averaged_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors as given, after checking that they can be averaged in place."""
-    if isinstance(tensors, torch.Tensor):
-        raise ValidationError("averaged_tensors must be a sequence of tensors, not one tensor")
-    checked = list(tensors)
+    """The tensors as given, after checking that they can be averaged in place (see
+    :func:`~.allreduce.partition.check_tensors`) and are leaves with elements."""
+    checked = check_tensors(tensors, "averaged_tensors")
     for i, tensor in enumerate(checked):
-        if not isinstance(tensor, torch.Tensor):
-            raise ValidationError(f"averaged tensor {i} is a {type(tensor).__name__}")
-        if tensor.dtype not in _AVERAGEABLE:
-            raise ValidationError(
-                f"averaged tensor {i} has dtype {tensor.dtype}; only float16, bfloat16, "
-                "float32 and float64 tensors can be averaged"
-            )
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-            raise ValidationError(f"averaged tensor {i} must be a dense CPU tensor")
-        if not tensor.is_contiguous():
-            raise ValidationError(
-                f"averaged tensor {i} (shape {list(tensor.shape)}) is not contiguous; it is "
-                "averaged in place, so pass a contiguous tensor"
-            )
         if tensor.grad_fn is not None:
             raise ValidationError(
                 f"averaged tensor {i} is the result of an operation (it has a grad_fn); "

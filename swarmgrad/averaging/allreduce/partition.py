@@ -114,27 +114,38 @@ def check_tensor_infos(
     return infos
 
 
-def _check_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def check_tensors(
+    tensors: Sequence[torch.Tensor], what: str = "tensors"
+) -> list[torch.Tensor]:
+    """The tensors as given, after checking that they can be averaged in place: float
+    dtypes, dense, on the CPU, contiguous. ``what`` names them in errors
+    (``"averaged_tensors"``: "averaged tensor 2 is not contiguous")."""
+    one = what.removesuffix("s").replace("_", " ")
     if isinstance(tensors, torch.Tensor):
-        raise ValidationError("expected a sequence of tensors, got a single tensor")
-    checked = []
-    for i, tensor in enumerate(tensors):
+        raise ValidationError(
+            f"{what} must be a sequence of tensors, not one tensor (a single tensor)"
+        )
+    checked = list(tensors)
+    for i, tensor in enumerate(checked):
         if not isinstance(tensor, torch.Tensor):
-            raise ValidationError(f"tensor {i} is a {type(tensor).__name__}, not a torch.Tensor")
+            raise ValidationError(f"{one} {i} is a {type(tensor).__name__}, not a torch.Tensor")
         if tensor.dtype not in _AVERAGEABLE:
             raise ValidationError(
-                f"tensor {i} has dtype {tensor.dtype}; only float16, bfloat16, float32 and "
+                f"{one} {i} has dtype {tensor.dtype}; only float16, bfloat16, float32 and "
                 f"float64 tensors can be averaged"
             )
         if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-            raise ValidationError(f"tensor {i} must be a dense CPU tensor, got {tensor.device}")
+            raise ValidationError(f"{one} {i} must be a dense CPU tensor, got {tensor.device}")
         if not tensor.is_contiguous():
             raise ValidationError(
-                f"tensor {i} (shape {list(tensor.shape)}) is not contiguous; averaging writes "
+                f"{one} {i} (shape {list(tensor.shape)}) is not contiguous; averaging writes "
                 f"into it in place, so pass a contiguous tensor"
             )
-        checked.append(tensor.detach())
     return checked
+
+
+def _check_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach() for t in check_tensors(tensors)]
 
 
 def _plan_parts(
