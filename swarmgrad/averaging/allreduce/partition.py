@@ -114,9 +114,7 @@ def check_tensor_infos(
     return infos
 
 
-def check_tensors(
-    tensors: Sequence[torch.Tensor], what: str = "tensors"
-) -> list[torch.Tensor]:
+def check_tensors(tensors: Sequence[torch.Tensor], what: str = "tensors") -> list[torch.Tensor]:
     """The tensors as given, after checking that they can be averaged in place: float
     dtypes, dense, on the CPU, contiguous. ``what`` names them in errors
     (``"averaged_tensors"``: "averaged tensor 2 is not contiguous")."""
