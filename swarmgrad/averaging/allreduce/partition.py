@@ -39,6 +39,7 @@ from swarmgrad.compression import (
     serialized_to_message,
 )
 from swarmgrad.compression.serialized import dtype_name
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import CodecError, ProtocolViolation, ValidationError
 
 __all__ = [
@@ -208,11 +209,7 @@ class TensorPartContainer:
     ):
         self.tensors = _check_tensors(tensors)
         self.tensor_infos = check_tensor_infos(tensor_infos, len(self.tensors))
-        if type(part_size_bytes) is not int or part_size_bytes <= 0:
-            raise ValidationError(
-                f"part_size_bytes must be a positive int, got {part_size_bytes!r}"
-            )
-        self.part_size_bytes = part_size_bytes
+        self.part_size_bytes = positive_int("part_size_bytes", part_size_bytes)
         self.codec = get_codec(compression)
         self._flat = [t.view(-1) for t in self.tensors]
         self._descriptors = [TensorDescriptor.from_tensor(t) for t in self.tensors]

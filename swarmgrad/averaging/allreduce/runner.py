@@ -91,6 +91,7 @@ from swarmgrad.averaging.robust.rules import AggregationRule
 from swarmgrad.compression import CompressionBase, CompressionInfo, CompressionType
 from swarmgrad.compression.base import all_finite, tensor_bytes
 from swarmgrad.net.identity import PeerID
+from swarmgrad.utils.checks import fraction
 from swarmgrad.utils.errors import (
     ProtocolViolation,
     RemoteError,
@@ -180,9 +181,7 @@ class AllReduceRunner(OwnerRole):
             raise ValidationError(f"group {self._gid}: need one AveragingMode per member")
         self.mode = self.modes[self.my_index]
         self.weight = self._check_weight(weight)
-        if not (isinstance(averaging_alpha, int | float) and 0 < averaging_alpha <= 1):
-            raise ValidationError(f"averaging_alpha must be in (0, 1], got {averaging_alpha!r}")
-        self.averaging_alpha = float(averaging_alpha)
+        self.averaging_alpha = fraction("averaging_alpha", averaging_alpha, low_open=True)
         if isinstance(tensors, torch.Tensor):
             raise ValidationError("tensors must be a sequence of tensors, not one tensor")
         total = sum(t.numel() for t in tensors if isinstance(t, torch.Tensor))
