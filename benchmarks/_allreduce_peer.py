@@ -149,7 +149,7 @@ def fault_worker(rank: int, conn, options: dict[str, Any]) -> None:
 
     # each survivor logs a warning per lost span/sender; the parent prints the verdict
     logging.getLogger("swarmgrad").setLevel(logging.ERROR)
-    from swarmgrad.averaging.deadlines import AdaptiveTimeouts
+    from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
     from swarmgrad.utils.loop_thread import run_coroutine, shutdown_loop
 
     timeouts = AdaptiveTimeouts(min_timeout=options.get("min_timeout", 5.0))
@@ -255,7 +255,7 @@ def links_worker(rank: int, world: int, conn, options: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from swarmgrad.averaging.allreduce import AllReduceRunner
-    from swarmgrad.averaging.deadlines import AdaptiveTimeouts
+    from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
     from swarmgrad.compression import (
         Float16Compression,
         NoCompression,

@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--part-size-bytes", type=int, default=None)
     parser.add_argument("--no-gloo", action="store_true", help="ours only (for profiling)")
     args = parser.parse_args()
-    from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES
+    from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES
 
     options = {
         "numel": args.numel,

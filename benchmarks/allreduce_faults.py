@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES
+    from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES
 
     options = {
         "numel": args.numel,

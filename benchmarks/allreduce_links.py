@@ -15,7 +15,7 @@ repetition, in the same processes over the same links:
 
 Mixed rates: 6 peers, 2 at 1 Gbit/s, 2 at 100 Mbit/s, 2 at 20 Mbit/s, ours uncompressed
 with equal spans against spans balanced to the link rates
-(``swarmgrad.averaging.load_balancing``); the model's time for each plan is printed too.
+(``swarmgrad.averaging.allreduce.load_balancing``); the model's time for each plan is printed too.
 
 Each round starts from a gloo barrier; its time is the slowest member's; figures are
 medians over the repetitions. Every round of ours is checked against gloo's average.
@@ -84,7 +84,7 @@ def bound_seconds(world: int, nbytes: int, rate: str) -> float:
 def plan_seconds(spans: list[int], rates: list[str], itemsize: int = 4) -> float:
     """The load-balancing model's round time: the slowest link's bytes over its rate
     (in each direction a member moves its own vector minus its span, plus its span's
-    average back to the n-1 others; see swarmgrad/averaging/load_balancing.py)."""
+    average back to the n-1 others; see swarmgrad/averaging/allreduce/load_balancing.py)."""
     total, n = sum(spans), len(spans)
     worst = 0.0
     for span, rate in zip(spans, rates, strict=True):
@@ -267,7 +267,7 @@ def _summarize(rounds: dict[str, list[dict]], world: int, nbytes: int, rate: str
 
 
 def _mixed(group: LabGroup, plan: dict) -> dict:
-    from swarmgrad.averaging.load_balancing import load_balance_peers
+    from swarmgrad.averaging.allreduce.load_balancing import load_balance_peers
 
     rates = list(MIXED_RATES)
     fractions = balanced_fractions(rates)
@@ -327,7 +327,7 @@ def run_sim(plan: dict) -> dict:
             results["settings"].append({"peers": world, "rate": rate, **summary})
             _print_setting(results["settings"][-1], plan)
     if plan["mixed"]:
-        from swarmgrad.averaging.load_balancing import load_balance_peers
+        from swarmgrad.averaging.allreduce.load_balancing import load_balance_peers
 
         rates = list(MIXED_RATES)
         rounds = {"equal": [], "balanced": []}
@@ -390,8 +390,8 @@ def _sim_round(
     import torch
 
     from swarmgrad.averaging.allreduce import AllReduceRunner
+    from swarmgrad.averaging.allreduce.load_balancing import load_balance_peers
     from swarmgrad.averaging.group_info import GroupInfo
-    from swarmgrad.averaging.load_balancing import load_balance_peers
     from swarmgrad.compression import Float16Compression, NoCompression, Uniform8BitQuantization
     from swarmgrad.net.sim import run_simulation
     from swarmgrad.net.sim.backend import create_sim_peer
@@ -579,7 +579,7 @@ def _target(name: str, value: float, limit: float, least: bool = False) -> dict:
 
 
 def main() -> None:
-    from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES
+    from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES
 
     # SIGTERM (a timeout, CI) ends through the finally blocks: peers stopped, namespaces gone
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

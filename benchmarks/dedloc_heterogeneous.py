@@ -20,7 +20,7 @@ get the average back, reduce nothing. The bootstrap peer is on the hub, unshaped
   clients) owns an equal share of the vector;
 * **adaptive**: each peer announces its link rate (``averager_opts={"bandwidth": ...}``)
   and the spans come from the load-balancing program
-  (:mod:`swarmgrad.averaging.load_balancing`): the 10 Mbit/s reducer gets little or
+  (:mod:`swarmgrad.averaging.allreduce.load_balancing`): the 10 Mbit/s reducer gets little or
   nothing to reduce, the 100 Mbit/s ones most.
 
 ``target_batch_size`` is set from the solo rates so that an epoch's compute lasts about
@@ -134,7 +134,7 @@ def parse_peers(text: str) -> tuple[PeerSpec, ...]:
 def plan_spans(numel: int, peers: tuple[PeerSpec, ...], mode: str) -> tuple[int, ...]:
     """The spans the averager derives for this group (round_plan: clients reduce nothing;
     announced bandwidths, or none at all for equal shares)."""
-    from swarmgrad.averaging.load_balancing import load_balance_peers
+    from swarmgrad.averaging.allreduce.load_balancing import load_balance_peers
 
     bandwidths = [0.0 if p.client else (p.mbit if mode == "adaptive" else None) for p in peers]
     return load_balance_peers(numel, bandwidths)

@@ -6,7 +6,7 @@ their groups. Reported: the rounds until the mean squared deviation from the tru
 mean falls below 1e-9, averaged over seeds, for N in {512, 768, 900, 1024} and p in
 {0, 0.005, 0.01}, on a 32x32 grid (groups of up to 32), with at most 50 rounds.
 
-Columns, all from :mod:`swarmgrad.averaging.moshpit_sim`:
+Columns, all from :mod:`moshpit_sim`:
 
 * ``moshpit``: our grouping rule (members' new coordinates are their ranks rotated by the
   group id), the rule the real protocol uses;
@@ -33,12 +33,13 @@ import statistics
 import sys
 import time
 
-from swarmgrad.averaging.moshpit_sim import (
+from moshpit_sim import (
     model_allreduce,
     model_gossip,
     model_moshpit,
     run_protocol,
 )
+
 from swarmgrad.net.sim import run_simulation
 
 PEERS = (512, 768, 900, 1024)

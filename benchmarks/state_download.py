@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from swarmgrad.averaging.state_transfer import StateDownloader, StateSharing
+from swarmgrad.averaging.state.transfer import StateDownloader, StateSharing
 from swarmgrad.compression import deserialize_torch_tensor, get_codec, serialize_torch_tensor
 from swarmgrad.dht import DHT
 from swarmgrad.net.rpc import Blob

@@ -17,13 +17,12 @@ from swarmgrad.averaging.allreduce import (
     AllReduceRunner,
     AveragingMode,
     GroupMismatch,
-    _encode,
-    _owners_after,
-    _read_message,
 )
-from swarmgrad.averaging.deadlines import AdaptiveTimeouts
+from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
+from swarmgrad.averaging.allreduce.partition import tensor_schema
+from swarmgrad.averaging.allreduce.protocol import encode_message, read_message
+from swarmgrad.averaging.allreduce.streams import owners_after
 from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.partition import tensor_schema
 from swarmgrad.compression import CompressionType, Uniform8BitQuantization
 from swarmgrad.compression.base import tensor_bytes
 from swarmgrad.net.peer import Peer
@@ -216,9 +215,9 @@ def test_averaging_alpha_moves_values_part_way(arun):
 
 def test_large_parts_stream_through_several_windows(arun, monkeypatch):
     """Owners receive at most a window per sender at a time (bounded memory)."""
-    from swarmgrad.averaging import allreduce
+    from swarmgrad.averaging.allreduce import owner
 
-    monkeypatch.setattr(allreduce, "RECEIVE_WINDOW_BYTES", 3000)
+    monkeypatch.setattr(owner, "RECEIVE_WINDOW_BYTES", 3000)
 
     async def main():
         peers = await make_peers(3)
@@ -492,11 +491,11 @@ def test_encoded_parts_follow_the_hello_at_once_and_raw_ones_wait_for_the_answer
 def test_each_member_starts_on_the_owner_after_it():
     """Members send to owners in a rotated order, so that no owner's link is the one
     everybody starts on; owners of empty spans (clients) are skipped."""
-    assert _owners_after(0, [5, 5, 5, 5]) == [1, 2, 3]
-    assert _owners_after(2, [5, 5, 5, 5]) == [3, 0, 1]
-    assert _owners_after(3, [5, 5, 5, 5]) == [0, 1, 2]
-    assert _owners_after(1, [5, 0, 5, 0, 5]) == [2, 4, 0]
-    starts = [_owners_after(me, [5] * 8)[0] for me in range(8)]
+    assert owners_after(0, [5, 5, 5, 5]) == [1, 2, 3]
+    assert owners_after(2, [5, 5, 5, 5]) == [3, 0, 1]
+    assert owners_after(3, [5, 5, 5, 5]) == [0, 1, 2]
+    assert owners_after(1, [5, 0, 5, 0, 5]) == [2, 4, 0]
+    starts = [owners_after(me, [5] * 8)[0] for me in range(8)]
     assert sorted(starts) == list(range(8))
 
 
@@ -567,8 +566,8 @@ def test_an_average_that_overflows_leaves_every_span_local(arun):
 
 async def open_raw(caller, owner, hello):
     stream = await caller.open_stream(owner.peer_id, AGGREGATE_PART)
-    await stream.write(_encode(hello))
-    return stream, await _read_message(stream)
+    await stream.write(encode_message(hello))
+    return stream, await read_message(stream)
 
 
 def test_parts_for_an_unknown_or_finished_group_are_refused(arun):

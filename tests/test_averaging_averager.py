@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +17,15 @@ import torch
 from swarmgrad.averaging.allreduce import GroupMismatch
 from swarmgrad.averaging.averager import DecentralizedAverager
 from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager
-from swarmgrad.averaging.moshpit_sim import build_dht_swarm
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import Float16Compression
 from swarmgrad.dht import DHT
 from swarmgrad.net.sim import run_simulation
 from swarmgrad.utils.errors import ValidationError
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from moshpit_sim import build_dht_swarm
 
 PREFIX = "run"
 

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from swarmgrad.averaging.gossip import AsyncGossipAverager, GossipAverager
-from swarmgrad.averaging.gossip_rules import MixingRule, PeerScoreboard, mixing_factor
+from swarmgrad.averaging.gossip.averager import AsyncGossipAverager, GossipAverager
+from swarmgrad.averaging.gossip.rules import MixingRule, PeerScoreboard, mixing_factor
 from swarmgrad.dht import DHT
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
@@ -222,7 +222,7 @@ def test_pulls_with_mismatched_shapes_are_refused_with_a_clear_error(caplog):
         await stop([a, b], nodes)
         return result, error, mine
 
-    with caplog.at_level(logging.INFO, logger="swarmgrad.averaging.gossip"):
+    with caplog.at_level(logging.INFO, logger="swarmgrad.averaging.gossip.averager"):
         result, error, mine = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     assert not result.mixed and result.skipped == "no peer answered"
     assert "tensor 0:" in str(error) and "has float32[3, 4], this peer float32[4, 3]" in str(error)

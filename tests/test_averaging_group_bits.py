@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmgrad.averaging.group_bits import (
+from swarmgrad.averaging.matchmaking.group_bits import (
     bits_per_axis_for,
     bits_to_coordinates,
     coordinate_of_rank,

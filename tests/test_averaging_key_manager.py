@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
 from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.key_manager import GroupKeyManager
-from swarmgrad.averaging.moshpit_sim import build_dht_swarm
+from swarmgrad.averaging.matchmaking.key_manager import GroupKeyManager
 from swarmgrad.net.sim import run_simulation
 from swarmgrad.utils.errors import ValidationError
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from moshpit_sim import build_dht_swarm
 
 
 async def _stop(nodes):

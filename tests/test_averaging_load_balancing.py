@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmgrad.averaging.load_balancing import load_balance_peers, optimize_parts_lp
+from swarmgrad.averaging.allreduce.load_balancing import load_balance_peers, optimize_parts_lp
 from swarmgrad.utils.errors import ValidationError
 
 bandwidth = st.one_of(

@@ -4,26 +4,33 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import threading
 import zlib
 from collections import Counter
+from pathlib import Path
 
 import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmgrad.averaging.matchmaking import (
+from swarmgrad.averaging.matchmaking.driver import Matchmaking
+from swarmgrad.averaging.matchmaking.protocol import (
     JOIN_GROUP,
-    Matchmaking,
+    Accepted,
+    Begin,
     Rejection,
-    _pack_gathered,
-    _parse_group,
+    decode_answer,
 )
-from swarmgrad.averaging.moshpit_sim import build_dht_swarm
+from swarmgrad.averaging.matchmaking.rules import MatchmakingRules
 from swarmgrad.net.identity import Identity
 from swarmgrad.net.sim import run_simulation
 from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from moshpit_sim import build_dht_swarm
 
 
 async def make_swarm(network, num_peers, *, seed=0, bits=None, client=(), **kwargs):
@@ -118,7 +125,7 @@ def test_client_mode_peers_join_but_never_lead():
 
             async def counting(request, context, m=m, original=original):
                 async for message in original(request, context):
-                    if message.get("code") == "accepted":
+                    if isinstance(message, Accepted):
                         accepted[m.peer.peer_id] += 1
                     yield message
 
@@ -651,9 +658,10 @@ def test_held_join_requests_are_bounded_and_malformed_holds_are_not_held():
 def test_begin_messages_carry_the_gathered_bytes_exactly_coded_or_not(gathered, me_index):
     ids = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(len(gathered))]
     me = ids[me_index % len(ids)]
-    message = {"code": "begin", "group_id": b"g" * 20, "peer_ids": [p.to_bytes() for p in ids]}
-    message.update(_pack_gathered(tuple(gathered)))
-    info = _parse_group(message, me, ids[0], gathered[ids.index(me)], max_gather_bytes=300)
+    message = Begin(b"g" * 20, tuple(ids), tuple(gathered)).encode()
+    begin = decode_answer(message, max_gather_bytes=300)
+    rules = MatchmakingRules(me, target_group_size=8)
+    info = rules.check_group(begin, ids[0], gathered[ids.index(me)])
     assert list(info.gathered) == gathered and list(info.peer_ids) == ids
 
 
@@ -671,5 +679,5 @@ def test_begin_messages_with_bad_coded_gathered_data_are_refused_by_name():
     }  # fmt: skip
     for name, (extra, match) in cases.items():
         with pytest.raises(ProtocolViolation, match=match):
-            _parse_group({**base, **extra}, ids[1], ids[0], b"b", max_gather_bytes=1 << 20)
+            decode_answer({**base, **extra}, max_gather_bytes=1 << 20)
             pytest.fail(name)

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
-from swarmgrad.averaging.moshpit_sim import (
+from swarmgrad.net.sim import run_simulation
+from swarmgrad.utils.errors import ValidationError
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from moshpit_sim import (
     initial_group_bits,
     model_allreduce,
     model_gossip,
     model_moshpit,
     run_protocol,
 )
-from swarmgrad.net.sim import run_simulation
-from swarmgrad.utils.errors import ValidationError
 
 
 def test_initial_positions_are_distinct_cells_of_the_grid():

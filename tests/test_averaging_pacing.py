@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from swarmgrad.averaging.pacing import SendPacer, check_send_rate
+from swarmgrad.averaging.allreduce.pacing import SendPacer, check_send_rate
 from swarmgrad.averaging.step_control import StepControl
 from swarmgrad.utils.errors import ValidationError
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmgrad.averaging.partition import (
+from swarmgrad.averaging.allreduce.partition import (
     TensorPartContainer,
     TensorPartReducer,
     tensor_schema,
@@ -256,3 +256,51 @@ def test_a_reducer_without_senders_is_finished_at_once():
         assert reducer.finished and await reducer.wait_part(0) is None
 
     run(main())
+
+
+def test_tensor_infos_tell_the_codec_which_tensor_a_part_belongs_to():
+    """hivemind's tensor_infos: their keys (and roles) reach the codec, so a per-tensor
+    codec keyed by name compresses each tensor its own way."""
+    from swarmgrad.compression import (
+        CompressionInfo,
+        Float16Compression,
+        NoCompression,
+        PerTensorCompression,
+        TensorRole,
+    )
+
+    weights, bias = torch.randn(8), torch.randn(4)
+    codec = PerTensorCompression({"weights": Float16Compression(), "bias": NoCompression()})
+    infos = [
+        CompressionInfo.from_tensor(weights, key="weights", role=TensorRole.PARAMETER),
+        CompressionInfo.from_tensor(bias, key="bias"),
+    ]
+    container = TensorPartContainer(
+        [weights, bias], [12], part_size_bytes=32, compression=codec, tensor_infos=infos
+    )
+    codecs = [container.serialize(0, k).codec for k in range(container.num_parts(0))]
+    assert codecs == ["float16", "none"]  # part 0 holds the weights, part 1 the bias
+    without = TensorPartContainer([weights, bias], [12], part_size_bytes=32, compression=codec)
+    with pytest.raises(ValidationError, match="no codec configured for tensor 0"):
+        without.serialize(0, 0)
+
+
+@pytest.mark.parametrize(
+    "infos, match",
+    [
+        ("weights", "a sequence of CompressionInfo"),
+        ([1, 2], r"tensor_infos\[0\] is a int"),
+        ([None], r"tensor_infos\[0\] is a NoneType"),
+    ],
+)
+def test_bad_tensor_infos_are_refused_by_name(infos, match):
+    with pytest.raises(ValidationError, match=match):
+        TensorPartContainer([torch.zeros(2), torch.zeros(2)], [4], tensor_infos=infos)
+
+
+def test_tensor_infos_must_describe_every_tensor():
+    from swarmgrad.compression import CompressionInfo
+
+    one = [CompressionInfo.from_tensor(torch.zeros(2), key=0)]
+    with pytest.raises(ValidationError, match="1 entries for 2 averaged tensors"):
+        TensorPartContainer([torch.zeros(2), torch.zeros(2)], [4], tensor_infos=one)

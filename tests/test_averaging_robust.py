@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from peer_helpers import numbered_peer_id
 from test_averaging_averager import simulate, start_swarm, stop
 
-from swarmgrad.averaging.robust import (
+from swarmgrad.averaging.robust.reducer import RobustPartReducer
+from swarmgrad.averaging.robust.rules import (
     CenteredClip,
     TrimmedMean,
     cap_weights,
@@ -23,7 +24,6 @@ from swarmgrad.averaging.robust import (
     sorted_rows,
     sorting_network,
 )
-from swarmgrad.averaging.robust_reducer import RobustPartReducer
 from swarmgrad.utils.errors import ProtocolViolation, ValidationError
 
 RULES = [CenteredClip(tau=1.0), TrimmedMean(trim=1)]
@@ -374,7 +374,7 @@ def test_the_facade_takes_the_rule_and_the_ban_and_refuses_bad_values_by_name():
         for options, reason in (
             ({"aggregation": "centered_clip"}, "aggregation must be an AggregationRule"),
             ({"ban_after": 0}, "ban_after must be a positive int or None"),
-            ({"ban_duration": -1}, "ban_duration must be positive seconds"),
+            ({"ban_duration": -1}, "ban_duration must be a positive number of seconds"),
             ({"ban_after": 3, "ban_window": 2}, "ban_window must be an int >= ban_after"),
             ({"ban_after": 3, "ban_window": 4.5}, "ban_window must be an int >= ban_after"),
             ({"ban_after": 3, "ban_window": True}, "ban_window must be an int >= ban_after"),
@@ -400,11 +400,11 @@ def _round(contributors, limited=(), bad=()):
 
 
 def test_bans_count_offences_among_recent_rounds_not_a_running_total(caplog):
-    from swarmgrad.averaging.offenders import OffenderLog
+    from swarmgrad.averaging.robust.offenders import OffenderLog
 
     straggler, liar, bad_owner = numbered_peer_id(1), numbered_peer_id(2), numbered_peer_id(3)
     log = OffenderLog(ban_after=3, ban_duration=60, owner="test", ban_window=6)
-    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.offenders"):
+    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.robust.offenders"):
         for i in range(40):  # the straggler stands out once in every 4 rounds: 10 in all
             limited = [straggler] if i % 4 == 0 else []
             limited += [liar] if i >= 30 else []
@@ -426,7 +426,7 @@ def test_bans_count_offences_among_recent_rounds_not_a_running_total(caplog):
 
 
 def test_without_bans_counts_are_kept_and_nobody_is_banned():
-    from swarmgrad.averaging.offenders import OffenderLog
+    from swarmgrad.averaging.robust.offenders import OffenderLog
 
     liar = numbered_peer_id(2)
     log = OffenderLog(ban_after=None, ban_duration=60, owner="test")
@@ -437,7 +437,7 @@ def test_without_bans_counts_are_kept_and_nobody_is_banned():
 
 
 def test_a_log_follows_another_logs_bans_until_they_expire():
-    from swarmgrad.averaging.offenders import OffenderLog
+    from swarmgrad.averaging.robust.offenders import OffenderLog
 
     liar = numbered_peer_id(2)
     grads = OffenderLog(ban_after=1, ban_duration=0.05, owner="grads")

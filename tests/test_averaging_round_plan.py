@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmgrad.averaging.allreduce import AveragingMode, GroupMismatch
-from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.round_plan import (
+from swarmgrad.averaging.allreduce.round_plan import (
     MAX_SCHEMA_BYTES,
     RoundSkipped,
     decode_member_info,
@@ -18,6 +17,7 @@ from swarmgrad.averaging.round_plan import (
     plan_round,
     schema_digest,
 )
+from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.net.identity import Identity
 from swarmgrad.utils.errors import ProtocolViolation, ValidationError
 

@@ -13,20 +13,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmgrad.averaging import state_chunks
-from swarmgrad.averaging.state_chunks import (
+from swarmgrad.averaging.state import chunks as state_chunks
+from swarmgrad.averaging.state.chunks import (
     CorruptChunk,
     StateAssembler,
     StateManifest,
     StateSnapshot,
 )
-from swarmgrad.averaging.state_protocol import (
+from swarmgrad.averaging.state.protocol import (
     DonorRecord,
     encode_declaration,
     order_donors,
     parse_declarations,
 )
-from swarmgrad.averaging.state_scheduler import ChunkScheduler
+from swarmgrad.averaging.state.scheduler import ChunkScheduler
 from swarmgrad.compression import (
     CompressionType,
     Float16Compression,
@@ -465,7 +465,7 @@ def test_a_codec_that_cannot_take_a_tensor_leaves_it_exact(caplog):
             return super().encode(tensor)
 
     tensors = exact_and_mixed_state()
-    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.state_chunks"):
+    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.state.chunks"):
         snapshot = StateSnapshot.build({}, tensors, 1024, compression=Broken())
     assert snapshot.manifest.encoded == [0]
     assert any("state tensor 4 travels exact" in r.getMessage() for r in caplog.records)

@@ -11,8 +11,8 @@ import threading
 
 import torch
 
-from swarmgrad.averaging.state_protocol import declaration_key, parse_declarations
-from swarmgrad.averaging.state_transfer import (
+from swarmgrad.averaging.state.protocol import declaration_key, parse_declarations
+from swarmgrad.averaging.state.transfer import (
     StateDownloader,
     StateSharing,
     load_state_from_peers,
@@ -181,7 +181,7 @@ def test_a_donor_that_sends_corrupt_chunks_is_dropped_and_its_chunks_refetched(c
         await stop([liar, honest], nodes)
         return result, downloader, liar.peer.peer_id, honest.peer.peer_id
 
-    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.state_download"):
+    with caplog.at_level(logging.WARNING, logger="swarmgrad.averaging.state.download"):
         result, downloader, liar_id, honest_id = run_simulation(
             main, latency=0.01, check_leftover_tasks=True
         )
@@ -196,8 +196,8 @@ def test_a_donor_lying_about_its_metadata_is_dropped(caplog):
     state = make_state(4)
 
     class BadMetadataDonor(StateSharing):
-        async def _rpc_manifest(self, request, context):
-            answer = await super()._rpc_manifest(request, context)
+        async def rpc_manifest(self, request, context):
+            answer = await super().rpc_manifest(request, context)
             answer["metadata"] = type(answer["metadata"])(b"\x91\x01")  # msgpack [1]
             return answer
 
@@ -286,7 +286,7 @@ def test_a_better_state_that_turns_up_late_takes_over_the_download(caplog):
         await stop([a, b], nodes)
         return result, served
 
-    with caplog.at_level(logging.INFO, logger="swarmgrad.averaging.state_download"):
+    with caplog.at_level(logging.INFO, logger="swarmgrad.averaging.state.download"):
         result, (from_a, from_b) = run_simulation(main, latency=0.01, check_leftover_tasks=True)
     assert same_state(result, state_a)
     assert from_b >= 1 and from_a == num_chunks(state_a)  # B had begun; A's chunks all count
@@ -563,11 +563,11 @@ def test_donors_keep_answering_other_calls_while_they_snapshot_and_serve(arun):
         gate: asyncio.Event
         reached: asyncio.Event
 
-        async def _rpc_chunk(self, request, context):
+        async def rpc_chunk(self, request, context):
             if request["index"] >= 12:
                 self.reached.set()
                 await self.gate.wait()
-            return await super()._rpc_chunk(request, context)
+            return await super().rpc_chunk(request, context)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -703,7 +703,7 @@ def test_a_donor_with_another_codec_does_not_corrupt_the_download():
 
 
 def test_a_state_that_does_not_decode_drops_its_donors_and_another_state_is_used(monkeypatch):
-    from swarmgrad.averaging import state_chunks
+    from swarmgrad.averaging.state import chunks as state_chunks
 
     state = make_state(14)
     real = state_chunks.deserialize_torch_tensor

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from swarmgrad.averaging.averager import DecentralizedAverager
-from swarmgrad.averaging.offenders import OffenceCounts
-from swarmgrad.averaging.robust import CenteredClip
+from swarmgrad.averaging.robust.offenders import OffenceCounts
+from swarmgrad.averaging.robust.rules import CenteredClip
 from swarmgrad.dht import DHT
 from swarmgrad.dht.crypto import Ed25519SignatureValidator
 from swarmgrad.monitor import Monitor, PortInUse

@@ -11,6 +11,8 @@ import asyncio
 import collections
 import functools
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,6 @@ import torch
 import swarmgrad
 from swarmgrad.averaging.allreduce import AllReduceRunner, GroupMismatch
 from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager
-from swarmgrad.averaging.moshpit_sim import build_dht_swarm
 from swarmgrad.dht import DHT
 from swarmgrad.net.sim import run_simulation
 from swarmgrad.optim import GradientAverager, PowerSGDGradientAverager
@@ -38,6 +39,10 @@ from tests.optim_helpers import (
     snapshot,
     train_together,
 )
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from moshpit_sim import build_dht_swarm
 
 PREFIX = "powersgd"
 

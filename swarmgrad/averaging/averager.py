@@ -21,22 +21,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
-import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from swarmgrad.averaging.allreduce import AllReduceResult, AveragingMode
-from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager, check_averaged_tensors
-from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES
-from swarmgrad.averaging.state_chunks import resolve_state_compression
+from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES, check_tensor_infos
+from swarmgrad.averaging.allreduce.types import AllReduceResult
+from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager
+from swarmgrad.averaging.options import AveragerOptions
+from swarmgrad.averaging.rounds import check_averaged_tensors
 from swarmgrad.averaging.step_control import StepControl
-from swarmgrad.compression import CompressionBase, CompressionType, NoCompression
+from swarmgrad.compression import CompressionBase, CompressionInfo, CompressionType, NoCompression
 from swarmgrad.dht.dht import DHT
 from swarmgrad.net.identity import PeerID
+from swarmgrad.utils.checks import positive_seconds
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
 
@@ -86,12 +89,17 @@ class DecentralizedAverager:
       next_chunk_timeout: default for sender_timeout, and the wait for each chunk when
         downloading state.
       sender_timeout / reducer_timeout: fixed waits for the next part from a sender or
-        an owner; default: adaptive to the throughput seen (see :mod:`.deadlines`).
+        an owner; default: adaptive to the throughput seen (see :mod:`.allreduce.deadlines`).
       compression: codec for parts on the wire (both directions).
       state_compression: codec applied to the floating-point tensors of the state this
         peer shares (e.g. ``Float16Compression()``: joiners download half the bytes and
         get float16-rounded values back in the original dtype); integer and other
         tensors are sent exact. Joiners decode whatever codec the donor used.
+      tensor_infos: one :class:`~swarmgrad.compression.CompressionInfo` per averaged
+        tensor, in order, telling ``compression`` what each tensor is (its ``key`` and
+        ``role``: e.g. a :class:`~swarmgrad.compression.PerTensorCompression` or
+        role-adaptive codec picks by them; hivemind's meaning). Default: keys are the
+        tensors' indices, roles unspecified.
       bandwidth: this peer's bandwidth (any unit, the same for the whole run): spans are
         sized to it. None: unknown (counts as the group's mean).
       min_vector_size: a member never reduces fewer elements than this (its share goes
@@ -109,11 +117,13 @@ class DecentralizedAverager:
         the plain all-reduce, for averaging in several phases, and the text that keeps
         peers with another one apart; see
         :class:`~.averager_core.AsyncDecentralizedAverager`); ``aggregation`` (a robust
-        rule, :class:`~.robust.CenteredClip` or :class:`~.robust.TrimmedMean`, applied by
-        each span's owner; members must use the same), ``ban_after``,
+        rule, :class:`~.robust.rules.CenteredClip` or
+        :class:`~.robust.rules.TrimmedMean`, applied by each span's owner; members must
+        use the same), ``ban_after``,
         ``ban_window`` and ``ban_duration`` (exclude a peer from our groups for
         ``ban_duration`` s once it offended in ``ban_after`` of the last ``ban_window``
-        rounds it took part in with us, :mod:`.offenders`); ``daemon`` is accepted and ignored.
+        rounds it took part in with us, :mod:`.robust.offenders`); ``daemon`` is accepted
+        and ignored.
     """
 
     def __init__(
@@ -136,6 +146,7 @@ class DecentralizedAverager:
         reducer_timeout: float | None = None,
         compression: CompressionBase | CompressionType | str = NoCompression(),
         state_compression: CompressionBase | CompressionType | str = NoCompression(),
+        tensor_infos: Sequence[CompressionInfo] | None = None,
         bandwidth: float | None = None,
         min_vector_size: int = 0,
         auxiliary: bool = False,
@@ -151,17 +162,9 @@ class DecentralizedAverager:
         self.dht = dht
         self._averaged_tensors = tuple(check_averaged_tensors(averaged_tensors))
         self.lock_averaged_tensors = threading.RLock()
-        self.client_mode = dht.client_mode if client_mode is None else bool(client_mode)
-        if (
-            isinstance(shutdown_timeout, bool)
-            or not isinstance(shutdown_timeout, int | float)
-            or not 0 < shutdown_timeout < math.inf
-        ):  # else shutdown() would give up at once and leave the averager half stopped
-            raise ValidationError(
-                f"shutdown_timeout must be a positive number of seconds, got {shutdown_timeout!r}"
-            )
-        self.shutdown_timeout = float(shutdown_timeout)
-        self._options: dict[str, Any] = dict(
+        # else shutdown() would give up at once and leave the averager half stopped
+        self.shutdown_timeout = positive_seconds("shutdown_timeout", shutdown_timeout)
+        self.options = AveragerOptions(
             prefix=prefix,
             target_group_size=target_group_size,
             min_group_size=min_group_size,
@@ -175,33 +178,30 @@ class DecentralizedAverager:
             sender_timeout=sender_timeout,
             reducer_timeout=reducer_timeout,
             compression=compression,
-            state_compression=resolve_state_compression(state_compression),  # fails early
+            state_compression=state_compression,
+            tensor_infos=check_tensor_infos(tensor_infos, len(self._averaged_tensors)),
             bandwidth=bandwidth,
             min_vector_size=min_vector_size,
             auxiliary=auxiliary,
             allow_state_sharing=allow_state_sharing,
             declare_state_period=declare_state_period,
-            client_mode=self.client_mode,
+            client_mode=dht.client_mode if client_mode is None else bool(client_mode),
             **{k: v for k, v in kwargs.items() if k in _EXTRA_OPTIONS},
         )
-        if auxiliary and self.client_mode:
-            raise ValidationError(
-                "an auxiliary peer reduces others' parts, so it must accept connections: "
-                "auxiliary=True needs client_mode=False"
-            )
-        self.mode = (
-            AveragingMode.CLIENT
-            if self.client_mode
-            else AveragingMode.AUX
-            if auxiliary
-            else AveragingMode.NODE
-        )
+        self.client_mode = self.options.client_mode
+        self.mode = self.options.mode
         self._state_priority = 0.0
         self._core: AsyncDecentralizedAverager | None = None
         self._start_lock = threading.Lock()
         self._starting: concurrent.futures.Future | None = None
         if start:
             self.run_in_background(await_ready=True)
+
+    @property
+    def _options(self) -> Mapping[str, Any]:
+        """The options by name, read-only (the collaborative optimizers read
+        ``_options["min_matchmaking_time"]``; new code reads :attr:`options`)."""
+        return MappingProxyType(self.options.as_dict())
 
     # ------------------------------------------------------------------ life cycle
 
@@ -222,10 +222,10 @@ class DecentralizedAverager:
                     self._averaged_tensors,
                     peer,
                     node,
+                    options=self.options,
                     get_state=self.get_current_state,
                     state_priority=self._state_priority,
                     lock=self.lock_averaged_tensors,
-                    **self._options,
                 )
                 core.start()
                 self._core = core
@@ -272,7 +272,7 @@ class DecentralizedAverager:
 
     @property
     def prefix(self) -> str:
-        return self._options["prefix"]
+        return self.options.prefix
 
     @property
     def total_size(self) -> int:
@@ -306,23 +306,29 @@ class DecentralizedAverager:
 
     def follow_bans_of(self, other: DecentralizedAverager) -> None:
         """Leave out of our groups whoever ``other`` has banned, as well as our own bans
-        (both averagers running): see :meth:`.offenders.OffenderLog.follow`."""
+        (both averagers running): see :meth:`.robust.offenders.OffenderLog.follow`."""
         self._running().offenders.follow(other._running().offenders)
 
-    def get_group_bits(self) -> str:
+    def get_group_bits(self, wait: bool = True) -> str | concurrent.futures.Future:
+        """This peer's current Moshpit cell (its group bits). ``wait=False`` returns a
+        future that already holds them (hivemind's signature; nothing here is remote)."""
         core = self._core
-        if core is None:
-            return self._options["initial_group_bits"]
-        return core.get_group_bits()
+        bits = self.options.initial_group_bits if core is None else core.get_group_bits()
+        if wait:
+            return bits
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(bits)
+        return future
 
     def set_group_bits(self, group_bits: str, wait: bool = True) -> None:
         """Move this peer to another Moshpit cell (takes effect at the next search).
         ``wait`` is accepted for hivemind compatibility."""
         core = self._core
         if core is None:
-            from swarmgrad.averaging.group_bits import validate_group_bits
+            from swarmgrad.averaging.matchmaking.group_bits import validate_group_bits
 
-            self._options["initial_group_bits"] = validate_group_bits(group_bits)
+            bits = validate_group_bits(group_bits)
+            self.options = dataclasses.replace(self.options, initial_group_bits=bits)
         else:
             core.set_group_bits(group_bits)
 
@@ -330,12 +336,7 @@ class DecentralizedAverager:
     def allow_state_sharing(self) -> bool:
         core = self._core
         if core is None:
-            value = self._options["allow_state_sharing"]
-            return (
-                (not self.client_mode and self.mode is not AveragingMode.AUX)
-                if value is None
-                else value
-            )
+            return bool(self.options.allow_state_sharing)
         return core.allow_state_sharing
 
     @allow_state_sharing.setter
@@ -344,7 +345,7 @@ class DecentralizedAverager:
             raise ValidationError("a client-mode peer cannot share its state (nobody can call it)")
         core = self._core
         if core is None:
-            self._options["allow_state_sharing"] = bool(value)
+            self.options = dataclasses.replace(self.options, allow_state_sharing=bool(value))
         else:
             core.allow_state_sharing = bool(value)
 

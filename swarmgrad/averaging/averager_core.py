@@ -6,14 +6,14 @@ that owns a peer and a DHT node (e.g. on the simulated network).
 
 One step, as long as its deadline and ``allow_retries`` allow:
 
-1. **Matchmaking** (:mod:`.matchmaking`) under the current group key, announcing a
-   :class:`~.round_plan.MemberInfo`: mode, bandwidth, weight, tensor schema, addresses and
+1. **Matchmaking** (:mod:`.matchmaking.driver`) under the current group key, announcing a
+   :class:`~.allreduce.round_plan.MemberInfo`: mode, bandwidth, weight, tensor schema, addresses and
    the user's ``gather`` data. Matchmaking moves the group bits to the next Moshpit axis
    as soon as a group is formed.
-2. **Plan** (:func:`~.round_plan.plan_round`): every member derives the same plan from the
+2. **Plan** (:func:`~.allreduce.round_plan.plan_round`): every member derives the same plan from the
    same GroupInfo: who takes part, their modes and their spans.
 3. **Trigger**: with ``require_trigger``, wait for ``control.allow_allreduce()``.
-4. **All-reduce** (:class:`~.allreduce.AllReduceRunner`) in place on the tensors, holding
+4. **All-reduce** (:class:`~.allreduce.runner.AllReduceRunner`) in place on the tensors, holding
    their lock for the whole round (taken in a worker thread, see :mod:`.tensor_lock`).
    The runner applies ``averaging_alpha`` and only ever writes whole, checked spans.
    With ``aggregate`` (a coroutine function), step 4 is that coroutine instead: it gets
@@ -24,7 +24,7 @@ One step, as long as its deadline and ``allow_retries`` allow:
 
 A step returns the members' ``gather`` data when the round averaged something with
 someone (spans of failed owners stay local, excluded senders are left out: see
-:class:`~.allreduce.AllReduceResult`, kept in :attr:`last_result`); otherwise it retries
+:class:`~.allreduce.types.AllReduceResult`, kept in :attr:`last_result`); otherwise it retries
 with a new group, or returns None. A failed round leaves the tensors as they were, or
 partly averaged span by span; never half a span.
 
@@ -36,109 +36,47 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
-import random
-import re
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from swarmgrad.averaging.allreduce import (
-    AllReduceResult,
-    AllReduceRouter,
-    AllReduceRunner,
-    AveragingMode,
-    GroupMismatch,
-)
-from swarmgrad.averaging.deadlines import AdaptiveTimeouts
-from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.matchmaking import Matchmaking
-from swarmgrad.averaging.offenders import OffenderLog
-from swarmgrad.averaging.pacing import SendPacer
-from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES, tensor_schema
-from swarmgrad.averaging.robust import AggregationRule
-from swarmgrad.averaging.round_plan import (
+from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
+from swarmgrad.averaging.allreduce.pacing import SendPacer
+from swarmgrad.averaging.allreduce.partition import check_tensor_infos, tensor_schema
+from swarmgrad.averaging.allreduce.round_plan import (
     RoundPlan,
     RoundSkipped,
-    check_aggregate_tag,
     encode_member_info,
     plan_round,
 )
-from swarmgrad.averaging.state_chunks import resolve_state_compression
-from swarmgrad.averaging.state_download import load_state_from_peers
-from swarmgrad.averaging.state_sharing import StateSharing
+from swarmgrad.averaging.allreduce.router import AllReduceRouter
+from swarmgrad.averaging.allreduce.runner import AllReduceRunner
+from swarmgrad.averaging.allreduce.types import AllReduceResult, AveragingMode, GroupMismatch
+from swarmgrad.averaging.group_info import GroupInfo
+from swarmgrad.averaging.matchmaking.driver import Matchmaking
+from swarmgrad.averaging.options import AveragerOptions
+from swarmgrad.averaging.robust.offenders import OffenderLog
+from swarmgrad.averaging.rounds import AveragingRound, PhaseResult, check_averaged_tensors
+from swarmgrad.averaging.state.download import load_state_from_peers
+from swarmgrad.averaging.state.sharing import StateSharing
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.averaging.tensor_lock import LoopLockHolder
-from swarmgrad.compression import CompressionBase, CompressionType, get_codec
+from swarmgrad.compression import CompressionInfo
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
+from swarmgrad.utils.checks import optional_positive_seconds
 from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
-__all__ = ["AsyncDecentralizedAverager", "AveragingRound", "PhaseResult"]
+__all__ = ["AsyncDecentralizedAverager", "AveragingRound", "PhaseResult", "check_averaged_tensors"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_GROUP_SIZE = 256  # target_group_size=None: as many as matchmaking gathers
-_AVERAGEABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MIN_SEARCH_WINDOW = 30.0  # seconds one matchmaking attempt lasts when a step has no timeout
-_PHASE_TAG = b"swarmgrad.averaging.phase:"
-_PHASE_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
-
-
-def check_averaged_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors as given, after checking that they can be averaged in place."""
-    if isinstance(tensors, torch.Tensor):
-        raise ValidationError("averaged_tensors must be a sequence of tensors, not one tensor")
-    checked = list(tensors)
-    for i, tensor in enumerate(checked):
-        if not isinstance(tensor, torch.Tensor):
-            raise ValidationError(f"averaged tensor {i} is a {type(tensor).__name__}")
-        if tensor.dtype not in _AVERAGEABLE:
-            raise ValidationError(
-                f"averaged tensor {i} has dtype {tensor.dtype}; only float16, bfloat16, "
-                "float32 and float64 tensors can be averaged"
-            )
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-            raise ValidationError(f"averaged tensor {i} must be a dense CPU tensor")
-        if not tensor.is_contiguous():
-            raise ValidationError(
-                f"averaged tensor {i} (shape {list(tensor.shape)}) is not contiguous; it is "
-                "averaged in place, so pass a contiguous tensor"
-            )
-        if tensor.grad_fn is not None:
-            raise ValidationError(
-                f"averaged tensor {i} is the result of an operation (it has a grad_fn); "
-                "pass parameters or other leaf tensors"
-            )
-    # With nothing to average every round "averages nothing with anyone", so each step
-    # would search and fail until its timeout: refuse it here, where the mistake is.
-    if sum(tensor.numel() for tensor in checked) == 0:
-        raise ValidationError(
-            f"averaged_tensors hold no elements ({len(checked)} tensors): nothing to average"
-        )
-    return checked
-
-
-def _optional_positive(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValidationError(f"{name} must be a positive number of seconds or None, got {value!r}")
-    return float(value)
-
-
-def _positive_seconds(name: str, value: Any) -> float:
-    """A finite positive duration, checked before any use (``float(None)`` would raise a
-    TypeError that does not name the option; NaN would pass ``value <= 0``)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 class AsyncDecentralizedAverager:
@@ -152,11 +90,12 @@ class AsyncDecentralizedAverager:
     ``averaged_tensors``) with ``aggregate_tag`` (short text naming what it computes and
     with which settings, e.g. ``"PowerSGD rank 4 ..."``: announced in matchmaking, so
     that only members with the same tag average together, see
-    :mod:`~.round_plan`), ``lock`` (the tensors' reentrant lock),
-    ``timeouts`` (an :class:`~.deadlines.AdaptiveTimeouts` template), ``max_gather_bytes``,
+    :mod:`~.allreduce.round_plan`), ``lock`` (the tensors' reentrant lock),
+    ``timeouts`` (an :class:`~.allreduce.deadlines.AdaptiveTimeouts` template),
+    ``max_gather_bytes``,
     ``rotate_group_bits``, ``state_sharing_options`` and ``state_download_options``
-    (keyword arguments of :class:`~.state_sharing.StateSharing` and
-    :class:`~.state_download.StateDownloader`), ``rng``.
+    (keyword arguments of :class:`~.state.sharing.StateSharing` and
+    :class:`~.state.download.StateDownloader`), ``rng``.
 
     Call :meth:`start` on the loop; ``await step(...)``; ``await shutdown()``.
     """
@@ -167,175 +106,87 @@ class AsyncDecentralizedAverager:
         peer: Peer,
         dht_node: DHTNode,
         *,
-        prefix: str,
-        target_group_size: int | None = None,
-        min_group_size: int = 2,
-        initial_group_bits: str = "",
-        min_matchmaking_time: float = 5.0,
-        request_timeout: float = 3.0,
-        averaging_alpha: float = 1.0,
-        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
-        allreduce_timeout: float | None = None,
-        next_chunk_timeout: float | None = None,
-        sender_timeout: float | None = None,
-        reducer_timeout: float | None = None,
-        compression: CompressionBase | CompressionType | str = CompressionType.NONE,
-        state_compression: CompressionBase | CompressionType | str | None = None,
-        bandwidth: float | None = None,
-        min_vector_size: int = 0,
-        auxiliary: bool = False,
-        allow_state_sharing: bool | None = None,
-        declare_state_period: float = 30.0,
-        client_mode: bool = False,
+        options: AveragerOptions | None = None,
         get_state: Callable[[], Any] | None = None,
-        aggregate: Callable[[AveragingRound], Awaitable[None]] | None = None,
-        aggregate_tag: str | None = None,
-        aggregation: AggregationRule | None = None,
-        ban_after: int | None = None,
-        ban_window: int | None = None,
-        ban_duration: float = 600.0,
         state_priority: float = 0.0,
         lock: Any = None,
-        timeouts: AdaptiveTimeouts | None = None,
-        max_gather_bytes: int = 1 << 20,
-        rotate_group_bits: bool = True,
-        state_sharing_options: dict[str, Any] | None = None,
-        state_download_options: dict[str, Any] | None = None,
-        rng: random.Random | None = None,
+        **option_kwargs: Any,
     ):
+        if options is None:
+            options = AveragerOptions.from_kwargs(**option_kwargs)
+        elif option_kwargs:
+            raise ValidationError(
+                f"pass the averager's options either as options= or by name, not both "
+                f"(got both options= and {sorted(option_kwargs)})"
+            )
+        elif not isinstance(options, AveragerOptions):
+            raise ValidationError(f"options must be an AveragerOptions, got {options!r:.80}")
+        self.options = o = options
         self.tensors = check_averaged_tensors(averaged_tensors)
         self._detached = [t.detach() for t in self.tensors]
         self.schema = tensor_schema(self._detached)
         self.total_size = sum(t.numel() for t in self._detached)
-        if aggregate is not None and not callable(aggregate):
-            raise ValidationError(f"aggregate must be a coroutine function, got {aggregate!r}")
-        if (aggregate is None) != (aggregate_tag is None):
-            # a hook without a tag would average with peers that run another one (or none)
-            raise ValidationError(
-                "aggregate and aggregate_tag go together: the tag tells peers how this one "
-                f"combines its tensors (got aggregate={aggregate!r}, aggregate_tag="
-                f"{aggregate_tag!r})"
-            )
-        if aggregate_tag is not None and not check_aggregate_tag(aggregate_tag):
-            raise ValidationError("aggregate_tag must not be empty")
-        if aggregation is not None and not isinstance(aggregation, AggregationRule):
-            raise ValidationError(
-                f"aggregation must be an AggregationRule (CenteredClip(...), TrimmedMean(...)), "
-                f"got {aggregation!r}"
-            )
-        if ban_after is not None and (
-            isinstance(ban_after, bool) or not isinstance(ban_after, int) or ban_after < 1
-        ):
-            raise ValidationError(f"ban_after must be a positive int or None, got {ban_after!r}")
-        if ban_window is not None and (
-            isinstance(ban_window, bool)
-            or not isinstance(ban_window, int)
-            or ban_window < (ban_after or 1)
-        ):
-            raise ValidationError(
-                f"ban_window must be an int >= ban_after ({ban_after}) or None, got {ban_window!r}"
-            )
-        if not isinstance(ban_duration, int | float) or not 0 < ban_duration < math.inf:
-            raise ValidationError(f"ban_duration must be positive seconds, got {ban_duration!r}")
-        self._aggregate = aggregate
-        self.aggregation = aggregation
-        # what members compare before averaging: the custom hook's tag and the robust rule
-        self.aggregate_tag = "+".join(
-            t for t in (aggregate_tag, aggregation.tag if aggregation else None) if t
-        )
-        if not isinstance(averaging_alpha, int | float) or not 0 < averaging_alpha <= 1:
-            raise ValidationError(f"averaging_alpha must be in (0, 1], got {averaging_alpha!r}")
-        if type(part_size_bytes) is not int or part_size_bytes <= 0:
-            raise ValidationError(f"part_size_bytes must be a positive int, got {part_size_bytes}")
-        if type(min_vector_size) is not int or min_vector_size < 0:
-            raise ValidationError(f"min_vector_size must be an int >= 0, got {min_vector_size!r}")
-        if bandwidth is not None and (
-            isinstance(bandwidth, bool)
-            or not isinstance(bandwidth, int | float)
-            or not 0 < bandwidth < math.inf
-        ):
-            raise ValidationError(f"bandwidth must be a positive number or None, got {bandwidth!r}")
-        if auxiliary and client_mode:
-            raise ValidationError(
-                "an auxiliary peer reduces others' parts, so it must accept connections: "
-                "auxiliary=True needs client_mode=False"
-            )
-        if allow_state_sharing is None:
-            allow_state_sharing = not client_mode and not auxiliary
-        if allow_state_sharing and client_mode:
-            raise ValidationError("a client-mode peer cannot share its state (nobody can call it)")
-        self.peer, self.dht_node, self.prefix = peer, dht_node, prefix
-        self.mode = (
-            AveragingMode.CLIENT
-            if client_mode
-            else AveragingMode.AUX
-            if auxiliary
-            else AveragingMode.NODE
-        )
-        self.target_group_size = (
-            DEFAULT_MAX_GROUP_SIZE if target_group_size is None else target_group_size
-        )
-        self.min_matchmaking_time = _positive_seconds("min_matchmaking_time", min_matchmaking_time)
-        self.request_timeout = _positive_seconds("request_timeout", request_timeout)
-        declare_state_period = _positive_seconds("declare_state_period", declare_state_period)
-        if type(max_gather_bytes) is not int or max_gather_bytes <= 0:
-            raise ValidationError(
-                f"max_gather_bytes must be a positive int, got {max_gather_bytes!r}"
-            )
-        get_codec(compression)  # an unknown codec fails here, not in every round
-        self.averaging_alpha = float(averaging_alpha)
-        self.part_size_bytes = part_size_bytes
-        self.allreduce_timeout = _optional_positive("allreduce_timeout", allreduce_timeout)
-        self.next_chunk_timeout = _optional_positive("next_chunk_timeout", next_chunk_timeout)
-        sender_timeout = _optional_positive("sender_timeout", sender_timeout)
-        self.sender_timeout = sender_timeout if sender_timeout is not None else next_chunk_timeout
-        self.reducer_timeout = _optional_positive("reducer_timeout", reducer_timeout)
-        self.compression = compression
+        self.tensor_infos = check_tensor_infos(o.tensor_infos, len(self.tensors))
+        self._aggregate = o.aggregate
+        self.aggregation = o.aggregation
+        self.aggregate_tag = o.combined_tag
+        self.peer, self.dht_node, self.prefix = peer, dht_node, o.prefix
+        self.mode = o.mode
+        self.target_group_size = o.max_group_size
+        self.min_matchmaking_time = o.min_matchmaking_time
+        self.request_timeout = o.request_timeout
+        self.averaging_alpha = o.averaging_alpha
+        self.part_size_bytes = o.part_size_bytes
+        self.allreduce_timeout = o.allreduce_timeout
+        self.next_chunk_timeout = o.next_chunk_timeout
+        self.sender_timeout = o.effective_sender_timeout
+        self.reducer_timeout = o.reducer_timeout
+        self.compression = o.compression
         # the codec of the snapshots this peer shares (None: exact); joiners decode any
-        self.state_compression = resolve_state_compression(state_compression)
-        self.bandwidth = None if bandwidth is None else float(bandwidth)
-        self.min_vector_size = min_vector_size
+        self.state_compression = o.state_compression
+        self.bandwidth = o.bandwidth
+        self.min_vector_size = o.min_vector_size
         self.lock = lock if lock is not None else threading.RLock()
-        self._timeouts = timeouts if timeouts is not None else AdaptiveTimeouts()
+        self._timeouts = o.timeouts if o.timeouts is not None else AdaptiveTimeouts()
         self._timeouts_for_round()  # validates the explicit timeouts now, not in a round
         self.state_sharing: StateSharing | None = None
-        if not client_mode:
+        if not o.client_mode:
             self.state_sharing = StateSharing(
                 peer,
                 dht_node,
-                prefix=prefix,
+                prefix=o.prefix,
                 get_state=get_state or self.get_current_state,
                 priority=state_priority,
-                allow_state_sharing=allow_state_sharing,
-                declare_state_period=declare_state_period,
+                allow_state_sharing=o.allow_state_sharing,
+                declare_state_period=o.declare_state_period,
                 state_lock=self.lock,
                 bandwidth=self.bandwidth,
-                **{"state_compression": self.state_compression, **(state_sharing_options or {})},
+                **{"state_compression": self.state_compression, **(o.state_sharing_options or {})},
             )
-        self._download_options = dict(state_download_options or {})
+        self._download_options = dict(o.state_download_options or {})
         if self.next_chunk_timeout is not None:
             self._download_options.setdefault("chunk_timeout", self.next_chunk_timeout)
         # last: it registers this prefix's join handler on the peer
         self.matchmaking = Matchmaking(
             peer,
             dht_node,
-            prefix=prefix,
-            target_group_size=self.target_group_size,
-            min_group_size=min_group_size,
-            min_matchmaking_time=min_matchmaking_time,
-            request_timeout=request_timeout,
-            client_mode=client_mode,
-            initial_group_bits=initial_group_bits,
-            max_gather_bytes=max_gather_bytes,
-            rotate_group_bits=rotate_group_bits,
-            rng=rng,
+            prefix=o.prefix,
+            target_group_size=o.max_group_size,
+            min_group_size=o.min_group_size,
+            min_matchmaking_time=o.min_matchmaking_time,
+            request_timeout=o.request_timeout,
+            client_mode=o.client_mode,
+            initial_group_bits=o.initial_group_bits,
+            max_gather_bytes=o.max_gather_bytes,
+            rotate_group_bits=o.rotate_group_bits,
+            rng=o.rng,
         )
         self.last_result: AllReduceResult | None = None
         # steps that averaged with someone / that ended without a round (or with an
         # error), for the peer's metrics; a cancelled step counts as neither
         self.rounds_succeeded = 0
         self.rounds_failed = 0
-        self.offenders = OffenderLog(ban_after, float(ban_duration), prefix, ban_window)
+        self.offenders = OffenderLog(o.ban_after, o.ban_duration, o.prefix, o.ban_window)
         self.matchmaking.is_banned = self.offenders.is_banned
         self._lock_holder = LoopLockHolder(self.lock)
         self._step_lock = asyncio.Lock()
@@ -427,7 +278,7 @@ class AsyncDecentralizedAverager:
         """Download the best state shared under this prefix: ``(metadata, tensors)``, or
         None if no donor could provide it within ``timeout`` seconds."""
         self._check_running()
-        timeout = _optional_positive("timeout", timeout)
+        timeout = optional_positive_seconds("timeout", timeout)
         return await load_state_from_peers(
             self.peer, self.dht_node, prefix=self.prefix, timeout=timeout, **self._download_options
         )
@@ -477,7 +328,7 @@ class AsyncDecentralizedAverager:
         docstring). ``control`` (from :meth:`new_control`) replaces ``scheduled_time``,
         ``weight`` and ``require_trigger`` and lets another task trigger or cancel."""
         self._check_running()
-        timeout = _optional_positive("timeout", timeout)
+        timeout = optional_positive_seconds("timeout", timeout)
         if control is None:
             control = self.new_control(scheduled_time, weight, require_trigger)
         task = asyncio.current_task()
@@ -659,7 +510,14 @@ class AsyncDecentralizedAverager:
                     return None
             if self._aggregate is None:
                 runner = self._runner(
-                    plan, plan.group, self._detached, plan.span_sizes, weight, budget, send_pacer
+                    plan,
+                    plan.group,
+                    self._detached,
+                    plan.span_sizes,
+                    weight,
+                    budget,
+                    send_pacer,
+                    tensor_infos=self.tensor_infos,
                 )
                 return await runner.run()
             deadline = None if budget is None else loop.time() + budget
@@ -683,6 +541,7 @@ class AsyncDecentralizedAverager:
         weight: float,
         budget: float | None,
         send_pacer: SendPacer | None = None,
+        tensor_infos: Sequence[CompressionInfo] | None = None,
     ) -> AllReduceRunner:
         return AllReduceRunner(
             self.peer,
@@ -698,138 +557,11 @@ class AsyncDecentralizedAverager:
             averaging_alpha=self.averaging_alpha,
             aggregation=self.aggregation,
             send_pacer=send_pacer,
+            tensor_infos=tensor_infos,
         )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.peer.peer_id}, prefix={self.prefix!r})"
-
-
-@dataclass(frozen=True)
-class PhaseResult:
-    """One all-reduce of an :class:`AveragingRound`: what the runner did, and for each
-    tensor of the phase whether it now holds the group's average in full (every span it
-    overlaps was averaged; always False on an auxiliary peer, whose tensors never
-    change). Members that hold a tensor in full hold the same values."""
-
-    result: AllReduceResult
-    averaged: tuple[bool, ...]
-
-
-class AveragingRound:
-    """A formed group, handed to a custom ``aggregate`` coroutine (see
-    :class:`AsyncDecentralizedAverager`) while the averaged tensors' lock is held.
-
-    ``tensors`` are the averager's tensors; ``weight`` is the step's weight;
-    ``contributes`` is False on an auxiliary peer. :meth:`allreduce` averages any
-    tensors (the same shapes and dtypes on every member) in this group; each call is a
-    *phase* with a name unique within the round, which every member must run in the
-    same order with the same tensor shapes. Phases share the round's deadline and use
-    the averager's part size, codec and ``averaging_alpha``.
-
-    A member that has not yet started a phase when another member's parts for it
-    arrive is waited for (the router's grace, a few seconds); one that never starts it
-    is dropped from that phase like a failed member, so a member that skips a phase
-    costs the others only its spans of that phase.
-    """
-
-    def __init__(
-        self,
-        core: AsyncDecentralizedAverager,
-        plan: RoundPlan,
-        weight: float,
-        deadline: float | None,
-    ):
-        self._core = core
-        self.plan = plan
-        self.weight = float(weight)
-        self.contributes = core.mode is not AveragingMode.AUX
-        self.tensors: Sequence[torch.Tensor] = tuple(core._detached)
-        self._deadline = deadline
-        self._phases: dict[str, PhaseResult | None] = {}
-
-    async def allreduce(
-        self, tensors: Sequence[torch.Tensor], *, phase: str, weight: float | None = None
-    ) -> PhaseResult:
-        """Average ``tensors`` in place in this group with ``weight`` (default: the
-        round's). Spans that could not be averaged keep their local values."""
-        if not isinstance(phase, str) or not _PHASE_NAME.fullmatch(phase):
-            raise ValidationError(f"phase must be 1-32 letters, digits, '_' or '-', got {phase!r}")
-        if phase in self._phases:
-            raise ValidationError(f"phase {phase!r} already ran in this round")
-        self._phases[phase] = None
-        tensors = check_averaged_tensors(tensors)
-        plan, group = self.plan, self.plan.group
-        digest = hashlib.sha256(_PHASE_TAG + group.group_id + phase.encode()).digest()
-        phase_group = GroupInfo(digest[: len(group.group_id)], group.peer_ids, group.gathered)
-        spans = plan.span_sizes_for(sum(t.numel() for t in tensors), self._core.min_vector_size)
-        budget = None
-        if self._deadline is not None:
-            budget = self._deadline - asyncio.get_running_loop().time()
-        if budget is not None and budget <= 0:
-            result = AllReduceResult(
-                group_id=phase_group.group_id,
-                averaged_spans=frozenset(),
-                local_spans=frozenset(
-                    j for j, size in enumerate(spans) if size and self.contributes
-                ),
-                deadline_exceeded=True,
-            )
-        else:
-            weight = self.weight if weight is None else weight
-            runner = self._core._runner(plan, phase_group, tensors, spans, weight, budget)
-            result = await runner.run()
-        averaged = (
-            _tensors_averaged(tensors, spans, result.averaged_spans)
-            if self.contributes
-            else (False,) * len(tensors)
-        )
-        outcome = PhaseResult(result, averaged)
-        self._phases[phase] = outcome
-        return outcome
-
-    def merged_result(self) -> AllReduceResult | None:
-        """The round as one result: a span counts as averaged if no phase kept it local
-        and one averaged it. None if no phase ran."""
-        results = [p.result for p in self._phases.values() if p is not None]
-        if not results:
-            return None
-        local = frozenset().union(*(r.local_spans for r in results))
-        averaged = frozenset().union(*(r.averaged_spans for r in results)) - local
-        excluded: dict[Any, str] = {}
-        failed: dict[Any, str] = {}
-        for r in results:
-            for peer_id, why in r.excluded_senders.items():
-                excluded.setdefault(peer_id, why)
-            for peer_id, why in r.failed_reducers.items():
-                failed.setdefault(peer_id, why)
-        return AllReduceResult(
-            group_id=self.plan.group.group_id,
-            averaged_spans=averaged,
-            local_spans=local,
-            excluded_senders=excluded,
-            failed_reducers=failed,
-            deadline_exceeded=any(r.deadline_exceeded for r in results),
-            paced_bytes=sum(r.paced_bytes for r in results),
-        )
-
-
-def _tensors_averaged(
-    tensors: Sequence[torch.Tensor], spans: Sequence[int], averaged_spans: frozenset[int]
-) -> tuple[bool, ...]:
-    """For each tensor of a flat vector cut into ``spans``: do all the spans it overlaps
-    hold the average?"""
-    bounds, start = [], 0
-    for j, size in enumerate(spans):
-        bounds.append((start, start + size, j))
-        start += size
-    flags, offset = [], 0
-    for tensor in tensors:
-        end = offset + tensor.numel()
-        flags.append(
-            all(j in averaged_spans for lo, hi, j in bounds if hi > lo and lo < end and hi > offset)
-        )
-        offset = end
-    return tuple(flags)
 
 
 def _averaged_with_someone(plan: RoundPlan, me: Any, result: AllReduceResult) -> bool:

@@ -1,6 +1,6 @@
 """What matchmaking hands to all-reduce: who is in the group, in which order, with what.
 
-Matchmaking (:mod:`swarmgrad.averaging.matchmaking`) produces a :class:`GroupInfo`; the
+Matchmaking (:mod:`swarmgrad.averaging.matchmaking.driver`) produces a :class:`GroupInfo`; the
 all-reduce (:mod:`swarmgrad.averaging.allreduce`) consumes it. Every member holds the
 same GroupInfo: the same ``group_id``, the same member order (which decides who reduces
 which span), and every member's gathered metadata (msgpack bytes: bandwidth, mode,

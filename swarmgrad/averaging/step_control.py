@@ -16,7 +16,7 @@ only when the local tensors are ready::
 Why a Future subclass rather than a bare future plus side methods: the caller keeps one
 object, thread-safe in every method, whose ``cancel()`` reaches the coroutine on the event
 loop (a step cancelled during its all-reduce leaves the spans already averaged in place
-and the rest local, see :mod:`.allreduce`).
+and the rest local, see :mod:`.allreduce.types`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from swarmgrad.averaging.allreduce import MAX_WEIGHT
-from swarmgrad.averaging.group_bits import check_round_tag
-from swarmgrad.averaging.pacing import SendPacer
+from swarmgrad.averaging.allreduce.pacing import SendPacer
+from swarmgrad.averaging.allreduce.types import MAX_WEIGHT
+from swarmgrad.averaging.matchmaking.group_bits import check_round_tag
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import ValidationError
 
@@ -71,7 +71,7 @@ class StepControl(concurrent.futures.Future):
     ``require_trigger=True`` the step forms a group and then waits for
     :meth:`allow_allreduce` (until the step's deadline) before averaging.
     ``round_tag``: the step meets only peers whose step has the same tag.
-    ``send_pacer``: a :class:`~swarmgrad.averaging.pacing.SendPacer` that spaces this
+    ``send_pacer``: a :class:`~swarmgrad.averaging.allreduce.pacing.SendPacer` that spaces this
     peer's writes of the round (None: as fast as the link goes); one pacer shared by
     several rounds keeps their total at its rate. Settable like ``weight`` until the
     all-reduce begins.
@@ -80,7 +80,7 @@ class StepControl(concurrent.futures.Future):
     waiting for its scheduled time. Settable while the step looks for its group: a
     step scheduled before the caller learned of a new peer then waits for it too.
     ``leader_hint``: the peer expected to lead the group (this peer itself, or another):
-    matchmaking then skips the DHT (see :mod:`~swarmgrad.averaging.matchmaking`).
+    matchmaking then skips the DHT (see :mod:`~swarmgrad.averaging.matchmaking.driver`).
     """
 
     def __init__(

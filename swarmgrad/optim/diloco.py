@@ -33,7 +33,7 @@ so all peers sync at once: a round that waited for stragglers would stall the fa
 parameters are cut into F fragments of similar size; fragment f is synchronised when the
 epoch is ``(f + 1/2) / F`` done, in the background while inner steps go on, its round's
 writes spread over ``fragment_pace`` (half) of the time until the next fragment is due
-(:mod:`~swarmgrad.averaging.pacing`), so that the swarm's peak bandwidth is about F times
+(:mod:`~swarmgrad.averaging.allreduce.pacing`), so that the swarm's peak bandwidth is about F times
 lower. The outer step at the epoch's end does not wait for rounds still running: they go
 on into the next epoch (a fragment's round must end before the same fragment is due
 again) and the writes keep their pace through the outer step instead of stopping for it.
@@ -73,9 +73,9 @@ from typing import Any
 
 import torch
 
+from swarmgrad.averaging.allreduce.pacing import SendPacer
 from swarmgrad.averaging.averager import DecentralizedAverager
-from swarmgrad.averaging.offenders import without_bans
-from swarmgrad.averaging.pacing import SendPacer
+from swarmgrad.averaging.robust.offenders import without_bans
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.compression.base import CompressionInfo
@@ -543,7 +543,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """The leader of the latest fragment group: for a later fragment, this epoch's
         first one; for the first, the last epoch's last one (or first). The same peers
         meet again, so their rounds join that leader directly instead of declaring and
-        reading through the DHT (see swarmgrad.averaging.matchmaking): that control
+        reading through the DHT (see swarmgrad.averaging.matchmaking.driver): that control
         traffic, in the middle of paced data, was what set a streaming peer's busiest
         second. None in plain DiLoCo and when no such group is known (the first epoch, a
         peer that just joined): then matchmaking goes through the DHT."""

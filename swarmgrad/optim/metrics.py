@@ -68,7 +68,7 @@ def metrics_key(run_id: str) -> str:
 
 
 class OffenderMetrics(pydantic.BaseModel):
-    """What robust averaging held against one peer (``averaging/offenders.py``)."""
+    """What robust averaging held against one peer (``averaging/robust/offenders.py``)."""
 
     model_config = pydantic.ConfigDict(frozen=True, extra="ignore")
 

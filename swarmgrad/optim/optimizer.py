@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from swarmgrad.averaging.allreduce import GroupMismatch
-from swarmgrad.averaging.offenders import without_bans
+from swarmgrad.averaging.robust.offenders import without_bans
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.dht.dht import DHT
@@ -94,7 +94,7 @@ class Optimizer(torch.optim.Optimizer):
     ``average_opt_statistics``, ``extra_tensors``, ``averager_opts`` (more options for
     both averagers, e.g. ``bandwidth``, ``target_group_size``; ``ban_after`` and
     ``ban_window`` only for the gradient averager when there is one, whose bans the
-    state averager follows, see :func:`~swarmgrad.averaging.offenders.without_bans`),
+    state averager follows, see :func:`~swarmgrad.averaging.robust.offenders.without_bans`),
     ``tracker_opts`` (for the :class:`ProgressTracker`), ``performance_ema_alpha``,
     ``shutdown_timeout``, ``verbose`` (log each epoch at INFO). Not in hivemind:
     ``outer_optimizer`` (a factory over the synced copy) switches to DiLoCo mode and
@@ -193,7 +193,7 @@ class Optimizer(torch.optim.Optimizer):
         # next_chunk_timeout stays None unless given: hivemind defaults it to
         # matchmaking_time, which turned a short matchmaking window into a fixed per-part
         # deadline that excluded every peer on a slow link (the averagers' own waits adapt
-        # to the throughput they see, see averaging/deadlines.py)
+        # to the throughput they see, see averaging/allreduce/deadlines.py)
         _check_modes(
             client_mode=client_mode,
             auxiliary=auxiliary,

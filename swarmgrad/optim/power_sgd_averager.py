@@ -105,7 +105,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from swarmgrad.averaging.averager_core import AveragingRound
+from swarmgrad.averaging.rounds import AveragingRound
 from swarmgrad.dht.dht import DHT
 from swarmgrad.optim.grad_averager import GradientAverager
 from swarmgrad.utils.errors import ValidationError

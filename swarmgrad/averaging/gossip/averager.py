@@ -9,12 +9,12 @@ compressed), its sample clock and its latest loss. A server whose tensors differ
 number, shape or dtype refuses with an error naming the first mismatching tensor.
 
 A step, with probability ``fetch_probability``, picks a peer by flow-control score
-(:class:`~swarmgrad.averaging.gossip_rules.PeerScoreboard`: fast, reliable peers are
+(:class:`~swarmgrad.averaging.gossip.rules.PeerScoreboard`: fast, reliable peers are
 asked more often, slow or failing ones rarely), pulls, checks what came back (schema,
 NaN/Inf, clock and loss values), skips the mix when the Euclidean distance between the
 two parameter vectors exceeds ``divergence_threshold``, and otherwise sets
 ``local = (1 - a) * local + a * remote`` with ``a`` from the mixing rule
-(:func:`~swarmgrad.averaging.gossip_rules.mixing_factor`). A peer that fails is penalized
+(:func:`~swarmgrad.averaging.gossip.rules.mixing_factor`). A peer that fails is penalized
 and, within the same step, another one is tried (up to ``max_attempts``).
 
 :class:`AsyncGossipAverager` runs on the event loop (use it from async code that owns a
@@ -39,7 +39,17 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.gossip_rules import MixingRule, PeerScoreboard, mixing_factor
+from swarmgrad.averaging.gossip.protocol import (
+    GossipDeclaration,
+    PullAnswer,
+    PullRequest,
+    declaration_key,
+    decode_declaration,
+    decode_pull_answer,
+    decode_pull_request,
+    pull_rpc_name,
+)
+from swarmgrad.averaging.gossip.rules import MixingRule, PeerScoreboard, mixing_factor
 from swarmgrad.compression.serialized import CompressionType, dtype_name
 from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
 from swarmgrad.dht.dht import DHT
@@ -47,16 +57,14 @@ from swarmgrad.dht.node import DHTNode
 from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
-from swarmgrad.net.rpc import RPCContext
+from swarmgrad.net.rpc import RPCContext, ServicerBase
+from swarmgrad.utils.checks import positive_seconds
 from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
 
 __all__ = ["AsyncGossipAverager", "GossipAverager", "GossipResult"]
 
 logger = logging.getLogger(__name__)
-
-PROTOCOL_VERSION = 1
-MAX_MADDRS = 16
 
 
 @dataclass(frozen=True)
@@ -101,7 +109,7 @@ def _describe_safe(entry: Any) -> str:
         return repr(entry)[:80]
 
 
-class AsyncGossipAverager:
+class AsyncGossipAverager(ServicerBase):
     """Gossip averaging on the event loop (see the module docstring).
 
     ``averaged_tensors`` are floating-point tensors changed in place. Call :meth:`start`
@@ -179,8 +187,9 @@ class AsyncGossipAverager:
         self.max_attempts = max_attempts
         self.rng = rng or random.Random()
         self.scoreboard = scoreboard or PeerScoreboard(rng=self.rng)
-        self.key = f"{prefix}.gossip"
-        self.rpc_name = f"{prefix}.gossip.pull"
+        self.key = declaration_key(prefix)
+        self.rpc_prefix = self.key  # rpc_pull serves "<prefix>.gossip.pull"
+        self.rpc_name = pull_rpc_name(prefix)
         # the tensors' lock (users hold it too, so the loop thread never waits for it: only
         # worker threads take it), and a short-lived one for the sample clock and the loss
         self.lock = threading.Lock()
@@ -203,7 +212,7 @@ class AsyncGossipAverager:
             raise ValidationError("this gossip averager has already been started")
         self._started = True
         if not self.client_mode:
-            self.peer.add_handler(self.rpc_name, self._rpc_pull)
+            self.peer.add_servicer(self)
             self._task = asyncio.get_running_loop().create_task(
                 self._declare_loop(), name=f"declare {self.key}"
             )
@@ -213,7 +222,7 @@ class AsyncGossipAverager:
             return
         self._closed = True
         if not self.client_mode and self._started:
-            self.peer.remove_handler(self.rpc_name)
+            self.peer.remove_servicer(self)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -236,9 +245,9 @@ class AsyncGossipAverager:
     async def _declare_loop(self) -> None:
         while True:
             try:
-                maddrs = [str(m) for m in self.peer.get_visible_maddrs()][:MAX_MADDRS]
+                maddrs = tuple(str(m) for m in self.peer.get_visible_maddrs())
                 expiration = self.dht_node.time_fn() + 2 * self.declare_period
-                value = {"v": PROTOCOL_VERSION, "maddrs": maddrs}
+                value = GossipDeclaration(maddrs).encode()
                 await self.dht_node.store(
                     self.key, value, expiration, subkey=self.peer.peer_id.to_base58()
                 )
@@ -262,9 +271,10 @@ class AsyncGossipAverager:
         peers: dict[PeerID, tuple[str, ...]] = {}
         if found is not None and isinstance(found.value, dict):
             for subkey, entry in found.value.items():
-                parsed = _parse_declaration(subkey, entry)
+                value = entry.value if isinstance(entry, ValueWithExpiration) else entry
+                parsed = decode_declaration(subkey, value)
                 if parsed is not None and parsed[0] != self.peer.peer_id:
-                    peers[parsed[0]] = parsed[1]
+                    peers[parsed[0]] = parsed[1].maddrs
         for gone in set(self._peers) - set(peers):
             self.scoreboard.forget(gone)
         self._peers = peers
@@ -275,20 +285,16 @@ class AsyncGossipAverager:
 
     # ------------------------------------------------------------------ serving
 
-    async def _rpc_pull(self, request: Any, context: RPCContext) -> dict[str, Any]:
-        if not isinstance(request, dict) or request.get("v") != PROTOCOL_VERSION:
-            raise ValidationError(f"a gossip pull must be {{'v': {PROTOCOL_VERSION}, 'schema'}}")
-        mismatch = schema_mismatch(self._schema, request.get("schema"), str(context.remote_id))
+    async def rpc_pull(self, message: Any, context: RPCContext) -> dict[str, Any]:
+        """A copy of our tensors, sample clock and loss, for a puller with our schema."""
+        request = decode_pull_request(message)
+        mismatch = schema_mismatch(self._schema, request.schema, str(context.remote_id))
         if mismatch is not None:
             logger.debug("refusing a gossip pull: %s", mismatch)
             raise ValidationError(f"{self.peer.peer_id} refuses the pull: {mismatch}")
         tensors, samples, loss = await asyncio.to_thread(self._snapshot)
         self.pulls_served += 1
-        return {
-            "tensors": tensors_to_message(tensors, self.compression),
-            "samples": samples,
-            "loss": loss,
-        }
+        return PullAnswer(tensors_to_message(tensors, self.compression), samples, loss).encode()
 
     def _snapshot(self) -> tuple[list[torch.Tensor], float, float | None]:
         with self.lock:
@@ -343,7 +349,7 @@ class AsyncGossipAverager:
             answer = await self.peer.call(
                 peer_id,
                 self.rpc_name,
-                {"v": PROTOCOL_VERSION, "schema": self._schema},
+                PullRequest(self._schema).encode(),
                 timeout=self.request_timeout,
             )
             remote, samples, loss = self._check_answer(peer_id, answer)
@@ -361,21 +367,15 @@ class AsyncGossipAverager:
     def _check_answer(
         self, peer_id: PeerID, answer: Any
     ) -> tuple[list[torch.Tensor], float, float | None]:
-        if not isinstance(answer, dict):
-            raise ProtocolViolation(f"gossip answer from {peer_id} is not a dict")
-        remote = tensors_from_message(answer.get("tensors"), f"tensors from {peer_id}")
+        pulled = decode_pull_answer(answer, peer_id)
+        remote = tensors_from_message(pulled.tensors, f"tensors from {peer_id}")
         mismatch = schema_mismatch(self._schema, _schema(remote), str(peer_id))
         if mismatch is not None:
             raise ProtocolViolation(mismatch)
         for i, tensor in enumerate(remote):
             if not torch.isfinite(tensor).all():
                 raise ProtocolViolation(f"tensor {i} from {peer_id} holds NaN or Inf values")
-        samples, loss = answer.get("samples"), answer.get("loss")
-        if type(samples) not in (int, float) or not math.isfinite(samples) or samples < 0:
-            raise ProtocolViolation(f"{peer_id} reports an invalid sample clock {samples!r}")
-        if loss is not None and (type(loss) not in (int, float) or not math.isfinite(loss)):
-            raise ProtocolViolation(f"{peer_id} reports an invalid loss {loss!r}")
-        return remote, float(samples), loss
+        return remote, pulled.samples, pulled.loss
 
     def _mix(
         self,
@@ -419,20 +419,6 @@ class AsyncGossipAverager:
         return GossipResult(peer_id, factor, distance, None, failures)
 
 
-def _parse_declaration(subkey: Any, entry: Any) -> tuple[PeerID, tuple[str, ...]] | None:
-    value = entry.value if isinstance(entry, ValueWithExpiration) else entry
-    try:
-        peer_id = PeerID.from_base58(subkey)
-    except Exception:
-        return None
-    if not isinstance(value, dict) or value.get("v") != PROTOCOL_VERSION:
-        return None
-    maddrs = value.get("maddrs")
-    if not isinstance(maddrs, list) or not all(isinstance(m, str) for m in maddrs):
-        return None
-    return peer_id, tuple(maddrs[:MAX_MADDRS])
-
-
 def _is_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float)
 
@@ -462,13 +448,9 @@ class GossipAverager:
         shutdown_timeout: float = 10.0,
         **kwargs: Any,
     ):
-        if not _is_number(shutdown_timeout) or not 0 < shutdown_timeout < math.inf:
-            # else shutdown() would give up at once and leave the averager half stopped
-            raise ValidationError(
-                f"shutdown_timeout must be a positive number of seconds, got {shutdown_timeout!r}"
-            )
+        # else shutdown() would give up at once and leave the averager half stopped
+        self.shutdown_timeout = positive_seconds("shutdown_timeout", shutdown_timeout)
         self.dht = dht
-        self.shutdown_timeout = shutdown_timeout
         self._options = dict(
             prefix=prefix,
             mixing=mixing,

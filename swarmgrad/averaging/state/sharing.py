@@ -2,7 +2,7 @@
 
 A :class:`StateSharing` belongs to an averager. While ``allow_state_sharing`` is on it
 declares the peer as a donor under ``<prefix>.all_averagers`` (see
-:mod:`~swarmgrad.averaging.state_protocol`) and answers three RPCs:
+:mod:`~swarmgrad.averaging.state.protocol`) and answers three RPCs:
 
 ``<prefix>.state.manifest`` ``{"v": 1}``
     Opens a download session on a snapshot of the state and answers
@@ -22,7 +22,7 @@ declares the peer as a donor under ``<prefix>.all_averagers`` (see
 With ``state_compression`` (a codec, e.g. ``Float16Compression()``, or its name) the
 snapshot's floating-point tensors are encoded with it after they are copied (outside the
 owner's lock) and the chunks carry the encoded bytes: a joiner downloads less and decodes
-each tensor back to its dtype and shape (see :mod:`~swarmgrad.averaging.state_chunks`).
+each tensor back to its dtype and shape (see :mod:`~swarmgrad.averaging.state.chunks`).
 Other tensors, and any the codec cannot take, are sent exact.
 
 Everything runs on the event loop except the snapshot copy, encoding and hashing and a synchronous
@@ -45,26 +45,31 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.state_chunks import (
+from swarmgrad.averaging.state.chunks import (
     DEFAULT_CHUNK_SIZE,
     StateCompression,
     StateSnapshot,
     freeze_state,
     resolve_state_compression,
 )
-from swarmgrad.averaging.state_protocol import (
+from swarmgrad.averaging.state.protocol import (
     BUSY,
     EXPIRED,
     OK,
     UNAVAILABLE,
+    ChunkParts,
+    ManifestOffer,
+    StateRefusal,
     StateRPC,
     declaration_key,
+    decode_chunk_request,
+    decode_release_request,
     encode_declaration,
 )
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
-from swarmgrad.net.rpc import Blob, RPCContext
+from swarmgrad.net.rpc import Blob, RPCContext, ServicerBase
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["StateSharing"]
@@ -103,7 +108,7 @@ class SharingStats:
     chunks_by_peer: Counter = field(default_factory=Counter)
 
 
-class StateSharing:
+class StateSharing(ServicerBase):
     """Declare and serve this peer's state (see the module docstring).
 
     ``get_state()`` returns ``(metadata, tensors)``: metadata any msgpack-able object,
@@ -123,7 +128,7 @@ class StateSharing:
     snapshot, after the copy and outside the lock (see the module docstring).
 
     ``bandwidth``: the link rate the averager announces, declared so that joiners ask
-    faster donors first (:func:`~.state_protocol.order_donors`).
+    faster donors first (:func:`~.protocol.order_donors`).
 
     Call :meth:`start` on the event loop, and ``await shutdown()`` to withdraw.
     """
@@ -169,6 +174,7 @@ class StateSharing:
         self.state_compression = resolve_state_compression(state_compression)
         self.bandwidth = bandwidth
         self.rpc = StateRPC.for_prefix(prefix)
+        self.rpc_prefix = f"{prefix}.state"  # rpc_manifest serves "<prefix>.state.manifest"
         self.key = declaration_key(prefix)
         self.stats = SharingStats()
         self._sessions: dict[bytes, _Session] = {}
@@ -189,9 +195,7 @@ class StateSharing:
             raise ValidationError("this StateSharing has already been started")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self.peer.add_handler(self.rpc.manifest, self._rpc_manifest)
-        self.peer.add_handler(self.rpc.chunk, self._rpc_chunk)
-        self.peer.add_handler(self.rpc.release, self._rpc_release)
+        self.peer.add_servicer(self)
         self._tasks = [
             self._loop.create_task(self._declare_loop(), name=f"declare {self.key}"),
             self._loop.create_task(self._expire_loop(), name=f"expire {self.key} sessions"),
@@ -203,8 +207,7 @@ class StateSharing:
         if self._closed:
             return
         self._closed = True
-        for name in (self.rpc.manifest, self.rpc.chunk, self.rpc.release):
-            self.peer.remove_handler(name)
+        self.peer.remove_servicer(self)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -364,20 +367,23 @@ class StateSharing:
 
     # ------------------------------------------------------------------ handlers
 
-    async def _rpc_manifest(self, request: Any, context: RPCContext) -> dict[str, Any]:
+    async def rpc_manifest(self, request: Any, context: RPCContext) -> dict[str, Any]:
+        """Open a download session on a snapshot of our state (or say why not)."""
+        return (await self._open_session(context)).encode()
+
+    async def _open_session(self, context: RPCContext) -> ManifestOffer | StateRefusal:
         me = self.peer.peer_id
         if not self._allow or self._closed:
-            return {"status": UNAVAILABLE, "reason": f"{me} does not share its state now"}
+            return StateRefusal(UNAVAILABLE, f"{me} does not share its state now")
         self._expire_sessions()
         for session_id, session in list(self._sessions.items()):
             if session.peer == context.remote_id:  # one session per downloader
                 del self._sessions[session_id]
         if len(self._sessions) + self._opening >= self.max_concurrent_downloads:
             self.stats.refused_busy += 1
-            return {
-                "status": BUSY,
-                "reason": f"{me} already serves {self.max_concurrent_downloads} downloads",
-            }
+            return StateRefusal(
+                BUSY, f"{me} already serves {self.max_concurrent_downloads} downloads"
+            )
         self._opening += 1
         try:
             frozen = await self._get_snapshot()
@@ -385,11 +391,11 @@ class StateSharing:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():
                 # shutdown cancelled the snapshot, not this call: answer instead of vanishing
-                return {"status": UNAVAILABLE, "reason": f"{me} is shutting down"}
+                return StateRefusal(UNAVAILABLE, f"{me} is shutting down")
             raise
         except Exception as e:
             logger.warning("could not snapshot the state for %s: %r", context.remote_id, e)
-            return {"status": UNAVAILABLE, "reason": f"{me} could not snapshot its state: {e}"}
+            return StateRefusal(UNAVAILABLE, f"{me} could not snapshot its state: {e}")
         finally:
             self._opening -= 1
         assert self._loop is not None
@@ -398,22 +404,21 @@ class StateSharing:
         snapshot = frozen.snapshot
         self._sessions[session_id] = _Session(context.remote_id, snapshot, now, now)
         self.stats.manifests_served += 1
-        return {
-            "status": OK,
-            "session": session_id,
-            "priority": frozen.priority,
-            "manifest": snapshot.manifest.to_wire(),
-            "metadata": Blob(snapshot.metadata),
-            "idle_timeout": self.session_idle_timeout,
-        }
+        return ManifestOffer(
+            session_id,
+            frozen.priority,
+            snapshot.manifest.to_wire(),
+            Blob(snapshot.metadata),
+            self.session_idle_timeout,
+        )
 
-    async def _rpc_chunk(self, request: Any, context: RPCContext) -> dict[str, Any]:
-        if not isinstance(request, dict):
-            raise ValidationError("a chunk request must be a dict {'session', 'index'}")
-        session_id, index = request.get("session"), request.get("index")
-        session = self._sessions.get(session_id) if isinstance(session_id, bytes) else None
+    async def rpc_chunk(self, message: Any, context: RPCContext) -> dict[str, Any]:
+        """One chunk of a session's snapshot."""
+        request = decode_chunk_request(message)
+        index = request.index
+        session = self._sessions.get(request.session) if request.session is not None else None
         if session is None or session.peer != context.remote_id:
-            return {"status": EXPIRED, "reason": "no such download session (expired?)"}
+            return StateRefusal(EXPIRED, "no such download session (expired?)").encode()
         num_chunks = session.snapshot.manifest.num_chunks
         if type(index) is not int or not 0 <= index < num_chunks:
             raise ValidationError(f"chunk index {index!r} is out of range [0, {num_chunks})")
@@ -424,18 +429,19 @@ class StateSharing:
         self.stats.chunks_served += 1
         self.stats.bytes_served += sum(len(p) for p in parts)
         self.stats.chunks_by_peer[context.remote_id] += 1
-        return {"status": OK, "parts": [Blob(p) for p in parts]}
+        return ChunkParts([Blob(p) for p in parts]).encode()
 
     def _chunk_parts(self, snapshot: StateSnapshot, index: int) -> list[Any]:
         """The bytes of one chunk (a separate method so tests can make a lying donor)."""
         return snapshot.chunk(index)
 
-    async def _rpc_release(self, request: Any, context: RPCContext) -> dict[str, Any]:
-        session_id = request.get("session") if isinstance(request, dict) else None
-        session = self._sessions.get(session_id) if isinstance(session_id, bytes) else None
+    async def rpc_release(self, message: Any, context: RPCContext) -> dict[str, Any]:
+        """The downloader is done: free its session."""
+        session_id = decode_release_request(message).session
+        session = self._sessions.get(session_id) if session_id is not None else None
         if session is not None and session.peer == context.remote_id:
             del self._sessions[session_id]
-        return {"status": OK}
+        return {"status": str(OK)}
 
     # ------------------------------------------------------------------ introspection
 

@@ -31,6 +31,7 @@ from swarmgrad.compression import (
     CompressionType,
     SerializedTensor,
     TensorDescriptor,
+    TensorRole,
     deserialize_torch_tensor,
     get_codec,
     serialize_torch_tensor,
@@ -38,6 +39,7 @@ from swarmgrad.compression import (
     serialized_to_message,
 )
 from swarmgrad.compression.serialized import dtype_name
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import CodecError, ProtocolViolation, ValidationError
 
 __all__ = [
@@ -85,27 +87,64 @@ def tensor_schema(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
     return [[dtype_name(t.dtype), list(t.shape)] for t in tensors]
 
 
-def _check_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def check_tensor_infos(
+    tensor_infos: Sequence[CompressionInfo] | None, num_tensors: int
+) -> tuple[CompressionInfo, ...] | None:
+    """hivemind's ``tensor_infos``: one :class:`CompressionInfo` per averaged tensor,
+    telling the codec what each tensor is (its ``key`` and ``role``, e.g. for
+    :class:`~swarmgrad.compression.PerTensorCompression` or a role-adaptive codec). The
+    descriptor a codec sees is always the tensor's own, so a stale one cannot mislead it."""
+    if tensor_infos is None:
+        return None
+    if isinstance(tensor_infos, CompressionInfo | str | bytes) or not isinstance(
+        tensor_infos, Sequence
+    ):
+        raise ValidationError(
+            f"tensor_infos must be a sequence of CompressionInfo, got {tensor_infos!r:.80}"
+        )
+    infos = tuple(tensor_infos)
+    for i, info in enumerate(infos):
+        if not isinstance(info, CompressionInfo):
+            raise ValidationError(
+                f"tensor_infos[{i}] is a {type(info).__name__}, not a CompressionInfo"
+            )
+    if len(infos) != num_tensors:
+        raise ValidationError(
+            f"tensor_infos has {len(infos)} entries for {num_tensors} averaged tensors"
+        )
+    return infos
+
+
+def check_tensors(tensors: Sequence[torch.Tensor], what: str = "tensors") -> list[torch.Tensor]:
+    """The tensors as given, after checking that they can be averaged in place: float
+    dtypes, dense, on the CPU, contiguous. ``what`` names them in errors
+    (``"averaged_tensors"``: "averaged tensor 2 is not contiguous")."""
+    one = what.removesuffix("s").replace("_", " ")
     if isinstance(tensors, torch.Tensor):
-        raise ValidationError("expected a sequence of tensors, got a single tensor")
-    checked = []
-    for i, tensor in enumerate(tensors):
+        raise ValidationError(
+            f"{what} must be a sequence of tensors, not one tensor (a single tensor)"
+        )
+    checked = list(tensors)
+    for i, tensor in enumerate(checked):
         if not isinstance(tensor, torch.Tensor):
-            raise ValidationError(f"tensor {i} is a {type(tensor).__name__}, not a torch.Tensor")
+            raise ValidationError(f"{one} {i} is a {type(tensor).__name__}, not a torch.Tensor")
         if tensor.dtype not in _AVERAGEABLE:
             raise ValidationError(
-                f"tensor {i} has dtype {tensor.dtype}; only float16, bfloat16, float32 and "
+                f"{one} {i} has dtype {tensor.dtype}; only float16, bfloat16, float32 and "
                 f"float64 tensors can be averaged"
             )
         if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-            raise ValidationError(f"tensor {i} must be a dense CPU tensor, got {tensor.device}")
+            raise ValidationError(f"{one} {i} must be a dense CPU tensor, got {tensor.device}")
         if not tensor.is_contiguous():
             raise ValidationError(
-                f"tensor {i} (shape {list(tensor.shape)}) is not contiguous; averaging writes "
+                f"{one} {i} (shape {list(tensor.shape)}) is not contiguous; averaging writes "
                 f"into it in place, so pass a contiguous tensor"
             )
-        checked.append(tensor.detach())
     return checked
+
+
+def _check_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach() for t in check_tensors(tensors)]
 
 
 def _plan_parts(
@@ -166,13 +205,11 @@ class TensorPartContainer:
         *,
         part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
         compression: CompressionType | str | CompressionBase = CompressionType.NONE,
+        tensor_infos: Sequence[CompressionInfo] | None = None,
     ):
         self.tensors = _check_tensors(tensors)
-        if type(part_size_bytes) is not int or part_size_bytes <= 0:
-            raise ValidationError(
-                f"part_size_bytes must be a positive int, got {part_size_bytes!r}"
-            )
-        self.part_size_bytes = part_size_bytes
+        self.tensor_infos = check_tensor_infos(tensor_infos, len(self.tensors))
+        self.part_size_bytes = positive_int("part_size_bytes", part_size_bytes)
         self.codec = get_codec(compression)
         self._flat = [t.view(-1) for t in self.tensors]
         self._descriptors = [TensorDescriptor.from_tensor(t) for t in self.tensors]
@@ -230,9 +267,11 @@ class TensorPartContainer:
         """The part compressed with the container's codec."""
         spec = self.parts[span_index][part_index]
         first = spec.pieces[0].tensor_index
+        given = self.tensor_infos[first] if self.tensor_infos is not None else None
         info = CompressionInfo(
-            key=first,
+            key=first if given is None else given.key,
             descriptor=self._descriptors[first],
+            role=TensorRole.UNSPECIFIED if given is None else given.role,
             part_index=part_index,
             part_size=spec.numel,
         )

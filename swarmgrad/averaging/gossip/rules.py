@@ -1,5 +1,5 @@
 """The policy of pair-wise gossip: how much of a peer's parameters to take, and which
-peer to ask. Pure functions and bookkeeping, no I/O (the protocol is in :mod:`.gossip`).
+peer to ask. Pure functions and bookkeeping, no I/O (the protocol is in :mod:`.averager`).
 
 Mixing: after pulling a peer's parameters, ``local = (1 - a) * local + a * remote`` with
 

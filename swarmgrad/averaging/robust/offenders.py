@@ -25,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from swarmgrad.averaging.allreduce import AllReduceResult
+from swarmgrad.averaging.allreduce.types import AllReduceResult
 from swarmgrad.net.identity import PeerID
 
 __all__ = ["BAN_OPTIONS", "OffenceCounts", "OffenderLog", "without_bans"]

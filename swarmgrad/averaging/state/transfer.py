@@ -16,26 +16,26 @@ donors replaced by others)::
     ...
     await sharing.shutdown()
 
-The pieces: :mod:`.state_protocol` (DHT records, RPC names), :mod:`.state_chunks`
-(manifests, snapshots, verified assembly), :mod:`.state_scheduler` (which donor fetches
-which chunk), :mod:`.state_sharing` (donor) and :mod:`.state_download` (downloader).
+The pieces: :mod:`.protocol` (DHT records, RPC names), :mod:`.chunks`
+(manifests, snapshots, verified assembly), :mod:`.scheduler` (which donor fetches
+which chunk), :mod:`.sharing` (donor) and :mod:`.download` (downloader).
 """
 
-from swarmgrad.averaging.state_chunks import (
+from swarmgrad.averaging.state.chunks import (
     DEFAULT_CHUNK_SIZE,
     CorruptChunk,
     StateAssembler,
     StateManifest,
     StateSnapshot,
 )
-from swarmgrad.averaging.state_download import StateDownloader, load_state_from_peers
-from swarmgrad.averaging.state_protocol import (
+from swarmgrad.averaging.state.download import StateDownloader, load_state_from_peers
+from swarmgrad.averaging.state.protocol import (
     DonorRecord,
     declaration_key,
     order_donors,
     parse_declarations,
 )
-from swarmgrad.averaging.state_sharing import SharingStats, StateSharing
+from swarmgrad.averaging.state.sharing import SharingStats, StateSharing
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",

@@ -9,12 +9,12 @@ deviation from the true global mean falls below a threshold (1e-9)?
   groups of up to M in a random order (the order in which matchmaking would admit them),
   groups smaller than ``min_group_size`` do nothing, members average and move their group
   bits with the same functions as the real protocol
-  (:mod:`swarmgrad.averaging.group_bits`). Fast: the full paper table in seconds.
+  (:mod:`swarmgrad.averaging.matchmaking.group_bits`). Fast: the full paper table in seconds.
   :func:`model_allreduce` (one global all-reduce that fails when any peer fails) and
   :func:`model_gossip` (random disjoint pairs average) are the baselines.
 * :func:`run_protocol` runs the real thing on the simulated network
   (:mod:`swarmgrad.net.sim`, virtual clock): a Kademlia DHT swarm, one
-  :class:`~swarmgrad.averaging.matchmaking.Matchmaking` per peer, group keys in the DHT.
+  :class:`~swarmgrad.averaging.matchmaking.driver.Matchmaking` per peer, group keys in the DHT.
   Each peer's scalar travels in its join request (``data_for_gather``) and every member
   averages the scalars of the GroupInfo it receives (all members receive the same one).
   It also counts how many keys the protocol split into more groups than the model would,
@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from swarmgrad.averaging.group_bits import (
+from swarmgrad.averaging.matchmaking.driver import Matchmaking
+from swarmgrad.averaging.matchmaking.group_bits import (
     bits_per_axis_for,
     coordinate_of_rank,
     coordinates_to_bits,
     shift_in,
 )
-from swarmgrad.averaging.matchmaking import Matchmaking
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.utils.errors import ValidationError
 

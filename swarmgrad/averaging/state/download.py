@@ -41,23 +41,28 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.state_chunks import (
+from swarmgrad.averaging.state.chunks import (
     DEFAULT_MAX_STATE_BYTES,
     CorruptChunk,
     StateAssembler,
     StateManifest,
     check_metadata,
 )
-from swarmgrad.averaging.state_protocol import (
+from swarmgrad.averaging.state.protocol import (
     BUSY,
-    OK,
+    ChunkRequest,
     DonorRecord,
+    ManifestRequest,
+    ReleaseRequest,
+    StateRefusal,
     StateRPC,
     declaration_key,
+    decode_chunk_answer,
+    decode_manifest_answer,
     order_donors,
     parse_declarations,
 )
-from swarmgrad.averaging.state_scheduler import ChunkScheduler
+from swarmgrad.averaging.state.scheduler import ChunkScheduler
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
@@ -326,26 +331,19 @@ class StateDownloader:
             return None
         try:
             answer = await self.peer.call(
-                donor, self.rpc.manifest, {"v": 1}, timeout=self.request_timeout
+                donor, self.rpc.manifest, ManifestRequest().encode(), timeout=self.request_timeout
             )
-            if not isinstance(answer, dict):
-                raise ProtocolViolation(f"a manifest answer must be a dict, got {answer!r:.60}")
-            status = answer.get("status")
-            if status != OK:
-                reason = f"{status}: {answer.get('reason', '')}"
+            offer = decode_manifest_answer(answer, donor)
+            if isinstance(offer, StateRefusal):
+                reason = f"{offer.status}: {offer.reason}"
                 self.refused[donor] = reason
-                log = logger.info if status == BUSY else logger.debug
+                log = logger.info if offer.status == BUSY else logger.debug
                 log("donor %s refused to share its state (%s)", donor, reason)
                 return None
             manifest = StateManifest.from_wire(
-                answer.get("manifest"), source=str(donor), max_state_bytes=self.max_state_bytes
+                offer.manifest, source=str(donor), max_state_bytes=self.max_state_bytes
             )
-            check_metadata(manifest, answer.get("metadata"), str(donor))
-            session_id, priority = answer.get("session"), answer.get("priority")
-            if not isinstance(session_id, bytes) or not 0 < len(session_id) <= 64:
-                raise ProtocolViolation("the session id must be 1 to 64 bytes")
-            if type(priority) not in (int, float) or not math.isfinite(priority):
-                raise ProtocolViolation(f"priority {priority!r} is not a finite number")
+            check_metadata(manifest, offer.metadata, str(donor))
         except CorruptChunk as e:
             logger.warning("dropping donor %s: %s", donor, e)
             self.dropped[donor] = str(e)
@@ -354,7 +352,7 @@ class StateDownloader:
             self.refused[donor] = f"{type(e).__name__}: {e}"
             logger.debug("donor %s did not open a download session: %s", donor, e)
             return None
-        session = _Session(record, session_id, float(priority), manifest, answer["metadata"], rank)
+        session = _Session(record, offer.session, offer.priority, manifest, offer.metadata, rank)
         self._sessions.append(session)
         return session
 
@@ -370,7 +368,7 @@ class StateDownloader:
                 await self.peer.call(
                     session.peer_id,
                     self.rpc.release,
-                    {"session": session.session_id},
+                    ReleaseRequest(session.session_id).encode(),
                     timeout=min(self.request_timeout, 2.0),
                 )
 
@@ -466,7 +464,7 @@ class StateDownloader:
             self.peer.call(
                 donor,
                 self.rpc.chunk,
-                {"session": session.session_id, "index": chunk},
+                ChunkRequest(session.session_id, chunk).encode(),
                 timeout=self.chunk_timeout,
             )
         )
@@ -525,12 +523,10 @@ class StateDownloader:
 
     @staticmethod
     def _parts_of(answer: Any, donor: PeerID, chunk: int) -> list[Any]:
-        if not isinstance(answer, dict):
-            raise ProtocolViolation(f"chunk {chunk} answer from {donor} is not a dict")
-        status = answer.get("status")
-        if status != OK:
-            raise _DonorFailed(f"chunk {chunk}: {status}: {answer.get('reason', '')}")
-        parts = answer.get("parts")
+        decoded = decode_chunk_answer(answer, donor, chunk)
+        if isinstance(decoded, StateRefusal):
+            raise _DonorFailed(f"chunk {chunk}: {decoded.status}: {decoded.reason}")
+        parts = decoded.parts
         if not isinstance(parts, list):
             raise CorruptChunk(f"chunk {chunk} from {donor} carries no list of parts")
         return parts

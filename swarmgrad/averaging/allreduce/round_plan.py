@@ -25,7 +25,7 @@ each other, instead of failing the round for everyone.
 
 A member that finds itself alone with its schema while at least two others agree on a
 different one is the odd one out: :func:`plan_round` raises
-:class:`~.allreduce.GroupMismatch` naming the first differing tensor, since retrying
+:class:`~.types.GroupMismatch` naming the first differing tensor, since retrying
 cannot help. When no schema has a majority (two members, two schemas) nobody can tell
 who is wrong: the round fails with a warning and the step may retry with other peers.
 
@@ -45,9 +45,9 @@ from typing import Any
 
 import msgpack
 
-from swarmgrad.averaging.allreduce import AveragingMode, GroupMismatch
+from swarmgrad.averaging.allreduce.load_balancing import load_balance_peers
+from swarmgrad.averaging.allreduce.types import AveragingMode, GroupMismatch
 from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.load_balancing import load_balance_peers
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.utils.errors import ProtocolViolation, ValidationError

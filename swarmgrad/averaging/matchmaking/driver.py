@@ -1,7 +1,7 @@
 """Matchmaking: peers that share a group key form groups, with no coordinator.
 
 Every peer that looks for a group declares itself under its group key with a time
-``ready_by`` (see :mod:`swarmgrad.averaging.key_manager`) and is a potential leader until
+``ready_by`` (see :mod:`.key_manager`) and is a potential leader until
 then. Potential leaders are totally ordered by ``(ready_by, peer_id)``. A peer asks the
 potential leaders that come *before* it in that order, earliest first, to let it join
 (``averaging.join_group``, a streaming RPC); a leader accepts only peers that come after
@@ -47,177 +47,77 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import math
 import random
-import weakref
-import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
-from swarmgrad.averaging.group_bits import tagged_group_key
 from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.key_manager import MAX_MADDRS, Declaration, GroupKeyManager
+from swarmgrad.averaging.matchmaking.group_bits import tagged_group_key
+from swarmgrad.averaging.matchmaking.key_manager import MAX_MADDRS, Declaration, GroupKeyManager
+from swarmgrad.averaging.matchmaking.protocol import (
+    JOIN_GROUP,
+    Accepted,
+    Answer,
+    Begin,
+    Disbanded,
+    JoinRequest,
+    Rejected,
+    Rejection,
+    decode_answer,
+    decode_join_request,
+)
+from swarmgrad.averaging.matchmaking.rules import TICK, LeaderView, MatchmakingRules
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.peer import Peer
-from swarmgrad.net.rpc import RPCContext
+from swarmgrad.net.rpc import RPCContext, ServicerBase
+from swarmgrad.utils.checks import positive_seconds
 from swarmgrad.utils.errors import ProtocolViolation, SwarmgradError, ValidationError
 
 __all__ = ["JOIN_GROUP", "Matchmaking", "Rejection"]
 
 logger = logging.getLogger(__name__)
 
-JOIN_GROUP = "averaging.join_group"
-PROTOCOL_VERSION = 1
-MAX_GROUP_ID_BYTES = 64
-# Times closer than this count as reached. asyncio fires a timer that is due within its
-# clock resolution without moving the clock; on the simulation's virtual clock, a loop that
-# compared times exactly would then wake up forever a hair before its deadline.
-_TICK = 1e-6
-# A leader keeps at most this many early join requests open, each for at most MAX_HOLD s.
-MAX_HOLD = 30.0
+
+# ---------------------------------------------------------------------- serving by prefix
 
 
-class Rejection(enum.StrEnum):
-    """Why a potential leader refused a join request (sent as the value)."""
+class JoinServicer(ServicerBase):
+    """A peer's one ``averaging.join_group`` handler, routing requests by prefix to the
+    matchmaking of each averager (one per peer: :meth:`Peer.shared_servicer`)."""
 
-    BAD_REQUEST = "bad_request"
-    UNKNOWN_PREFIX = "unknown_prefix"
-    NOT_LOOKING = "not_looking"
-    NOT_A_LEADER = "not_a_leader"
-    BAD_GROUP_KEY = "bad_group_key"
-    BAD_ORDER = "bad_order"
-    GROUP_FULL = "group_full"
-    TOO_LATE = "too_late"
-    DUPLICATE_PEER_ID = "duplicate_peer_id"
-    BANNED = "banned"  # this peer banned the requester from its groups for a while
-
-
-# ---------------------------------------------------------------------- routing by prefix
-
-
-class _JoinRouter:
-    """The one ``averaging.join_group`` handler of a peer, dispatching by prefix."""
+    rpc_prefix = "averaging"
 
     def __init__(self) -> None:
         self.by_prefix: dict[str, Matchmaking] = {}
 
-    async def handle(self, request: Any, context: RPCContext) -> AsyncIterator[dict]:
+    async def rpc_join_group(self, request: Any, context: RPCContext) -> AsyncIterator[dict]:
+        """A join request in; a rejection, or an acceptance then the group, out."""
         prefix = request.get("prefix") if isinstance(request, dict) else None
         matchmaking = self.by_prefix.get(prefix) if isinstance(prefix, str) else None
         if matchmaking is None:
-            yield _rejected(Rejection.UNKNOWN_PREFIX, f"no averager with prefix {prefix!r:.80}")
+            message = f"no averager with prefix {prefix!r:.80}"
+            yield Rejected(Rejection.UNKNOWN_PREFIX, message).encode()
             return
-        async for message in matchmaking._serve_join(request, context):
-            yield message
+        async for answer in matchmaking._serve_join(request, context):
+            yield answer.encode()
 
-
-_routers: weakref.WeakKeyDictionary[Peer, _JoinRouter] = weakref.WeakKeyDictionary()
-
-
-def _attach(peer: Peer, prefix: str, matchmaking: Matchmaking) -> None:
-    router = _routers.get(peer)
-    if router is None:
-        router = _JoinRouter()
-        peer.add_handler(JOIN_GROUP, router.handle, stream_output=True)
-        _routers[peer] = router
-    if prefix in router.by_prefix:
-        raise ValidationError(f"peer {peer.peer_id} already runs matchmaking for prefix {prefix!r}")
-    router.by_prefix[prefix] = matchmaking
-
-
-def _detach(peer: Peer, prefix: str, matchmaking: Matchmaking) -> None:
-    router = _routers.get(peer)
-    if router is None or router.by_prefix.get(prefix) is not matchmaking:
-        return
-    del router.by_prefix[prefix]
-    if not router.by_prefix:
-        peer.remove_handler(JOIN_GROUP)
-        del _routers[peer]
-
-
-# ---------------------------------------------------------------------- wire messages
-
-
-def _rejected(
-    reason: Rejection, message: str, suggested: PeerID | None = None, maddrs: tuple = ()
-) -> dict:
-    return {
-        "code": "rejected",
-        "reason": reason.value,
-        "message": message,
-        "suggested_leader": suggested.to_bytes() if suggested else None,
-        "suggested_maddrs": list(maddrs),
-    }
-
-
-def _disbanded(message: str, suggested: PeerID | None = None, maddrs: tuple = ()) -> dict:
-    return {
-        "code": "disbanded",
-        "message": message,
-        "suggested_leader": suggested.to_bytes() if suggested else None,
-        "suggested_maddrs": list(maddrs),
-    }
-
-
-def _pack_gathered(gathered: tuple[bytes, ...]) -> dict:
-    """The members' gathered bytes for a ``begin`` message: zlib-coded when that is
-    smaller, as it is for an averager's member infos (the members share their schema and
-    most of their addresses: 1.0-1.3 KB became 0.45 KB for 4 members of a streaming
-    DiLoCo fragment, sent to each follower at every round)."""
-    coded = zlib.compress(msgpack.packb(list(gathered), use_bin_type=True))
-    if len(coded) < sum(len(g) for g in gathered):
-        return {"gathered_z": coded}
-    return {"gathered": list(gathered)}
-
-
-def _unpack_gathered(message: dict, leader: PeerID, limit: int) -> Any:
-    """The ``gathered`` list of a begin message, decoding at most ``limit`` bytes."""
-    coded = message.get("gathered_z")
-    if coded is None:
-        return message.get("gathered")
-    if not isinstance(coded, bytes):
-        raise ProtocolViolation(f"leader {leader} sent gathered_z that is not bytes")
-    try:
-        inflater = zlib.decompressobj()
-        packed = inflater.decompress(coded, limit)
-        if inflater.unconsumed_tail or not inflater.eof:
-            raise ProtocolViolation(
-                f"leader {leader} sent gathered data over {limit} bytes or cut short"
+    def attach(self, peer: Peer, prefix: str, matchmaking: Matchmaking) -> None:
+        if prefix in self.by_prefix:
+            raise ValidationError(
+                f"peer {peer.peer_id} already runs matchmaking for prefix {prefix!r}"
             )
-        return msgpack.unpackb(packed, raw=False)
-    except (zlib.error, ValueError, msgpack.UnpackException) as e:
-        raise ProtocolViolation(f"leader {leader} sent undecodable gathered data: {e}") from None
+        self.by_prefix[prefix] = matchmaking
 
-
-def _parse_group(
-    message: dict, me: PeerID, leader: PeerID, my_gather: bytes, max_gather_bytes: int
-) -> GroupInfo:
-    """A leader's ``begin`` message as a GroupInfo, checked against what we sent."""
-    group_id, raw_ids = message.get("group_id"), message.get("peer_ids")
-    if not isinstance(group_id, bytes) or not 0 < len(group_id) <= MAX_GROUP_ID_BYTES:
-        raise ProtocolViolation(f"leader {leader} sent a malformed group id {group_id!r:.40}")
-    if not isinstance(raw_ids, list) or not all(isinstance(p, bytes) for p in raw_ids):
-        raise ProtocolViolation(f"leader {leader} sent malformed peer ids")
-    limit = len(raw_ids) * (max_gather_bytes + 16) + 64  # msgpack's framing on top
-    gathered = _unpack_gathered(message, leader, limit)
-    if not isinstance(gathered, list) or not all(isinstance(g, bytes) for g in gathered):
-        raise ProtocolViolation(f"leader {leader} sent malformed gathered data")
-    info = GroupInfo(group_id, tuple(PeerID(p) for p in raw_ids), tuple(gathered))
-    if me not in info.peer_ids or leader not in info.peer_ids:
-        raise ProtocolViolation(
-            f"leader {leader} sent group {group_id.hex()[:12]} that lacks "
-            f"{'us' if me not in info.peer_ids else 'the leader itself'}"
-        )
-    if info.gathered[info.peer_ids.index(me)] != my_gather:
-        raise ProtocolViolation(f"leader {leader} altered our gathered data")
-    return info
+    def detach(self, peer: Peer, prefix: str, matchmaking: Matchmaking) -> None:
+        if self.by_prefix.get(prefix) is matchmaking:
+            del self.by_prefix[prefix]
+            if not self.by_prefix:
+                peer.remove_servicer(self)
 
 
 # ---------------------------------------------------------------------- search state
@@ -227,7 +127,7 @@ def _parse_group(
 class _Follower:
     peer_id: PeerID
     gather: bytes
-    outcome: asyncio.Future  # the message to send: "begin" or "disbanded"
+    outcome: asyncio.Future  # the answer to send: Begin or Disbanded
 
 
 @dataclass
@@ -273,25 +173,21 @@ class Matchmaking:
         rotate_group_bits: bool = True,
         rng: random.Random | None = None,
     ):
-        if not isinstance(target_group_size, int) or target_group_size < 2:
-            raise ValidationError(f"target_group_size must be an int >= 2, got {target_group_size}")
-        if not isinstance(min_group_size, int) or not 1 <= min_group_size <= target_group_size:
-            raise ValidationError(
-                f"min_group_size must be an int in [1, target_group_size={target_group_size}], "
-                f"got {min_group_size!r}"
-            )
-        for name, value in (
-            ("min_matchmaking_time", min_matchmaking_time),
-            ("request_timeout", request_timeout),
-        ):
-            if not isinstance(value, int | float) or not 0 < value < math.inf:
-                raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.rules = rules = MatchmakingRules(
+            peer.peer_id,
+            target_group_size,
+            min_group_size,
+            client_mode,
+            max_gather_bytes,
+            min_matchmaking_time,
+            request_timeout,
+        )
         self.peer, self.dht_node = peer, dht_node
         self.prefix = prefix
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
-        self.min_matchmaking_time = float(min_matchmaking_time)
-        self.request_timeout = float(request_timeout)
-        self.client_mode = bool(client_mode)
+        self.min_matchmaking_time = rules.min_matchmaking_time
+        self.request_timeout = rules.request_timeout
+        self.client_mode = rules.client_mode
         self.max_gather_bytes = max_gather_bytes
         self.key_manager = GroupKeyManager(
             dht_node,
@@ -310,7 +206,7 @@ class Matchmaking:
         self.last_group: tuple[str, PeerID] | None = None
         self._looking = asyncio.Event()  # set while a search runs: held join requests wait
         self._held = 0  # join requests waiting for our search to start
-        _attach(peer, prefix, self)
+        peer.shared_servicer(JoinServicer).attach(peer, prefix, self)
 
     # ------------------------------------------------------------------ public API
 
@@ -351,8 +247,7 @@ class Matchmaking:
             raise SwarmgradError(f"matchmaking for {self.prefix!r} is shut down")
         if self._search is not None:
             raise SwarmgradError(f"{self.peer.peer_id} is already looking for a group")
-        if not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
-            raise ValidationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = positive_seconds("timeout", timeout)
         if not isinstance(data_for_gather, bytes | bytearray | memoryview):
             raise ValidationError(
                 f"data_for_gather must be bytes, got {type(data_for_gather).__name__}"
@@ -365,7 +260,7 @@ class Matchmaking:
         loop = asyncio.get_running_loop()
         key = tagged_group_key(self.key_manager.current_key, round_tag)
         search = _Search(key, data, loop.time() + timeout)
-        search.full_at = self._full_at(expected_size)
+        search.full_at = self.rules.full_at(expected_size)
         if leader_hint is not None and not isinstance(leader_hint, PeerID):
             raise ValidationError(f"leader_hint must be a PeerID, got {leader_hint!r:.60}")
         self._search = search
@@ -376,7 +271,7 @@ class Matchmaking:
             self._search = None
             self._looking.clear()
             self._maddrs_of.clear()
-            self._release_followers(search, _disbanded("the leader stopped looking for a group"))
+            self._release_followers(search, Disbanded("the leader stopped looking for a group"))
         if group is not None:
             leader = self.peer.peer_id if search.assembled else search.joined
             if leader is not None:
@@ -398,7 +293,7 @@ class Matchmaking:
         """Stop answering join requests; a running look_for_group returns None soon."""
         self._closed = True
         self._looking.set()  # held join requests: answered (not looking) at once
-        _detach(self.peer, self.prefix, self)
+        self.peer.shared_servicer(JoinServicer).detach(self.peer, self.prefix, self)
         if self._search is not None:
             self._search.wakeup.set()
 
@@ -410,19 +305,12 @@ class Matchmaking:
     def _local_time_of(self, dht_time: float) -> float:
         return asyncio.get_running_loop().time() + (dht_time - self._dht_time())
 
-    def _full_at(self, expected_size: int | None) -> int:
-        if expected_size is None:
-            return self.target_group_size
-        if type(expected_size) is not int or expected_size < 2:
-            raise ValidationError(f"expected_size must be an int >= 2, got {expected_size!r}")
-        return min(self.target_group_size, expected_size)
-
     def set_expected_size(self, expected_size: int | None) -> None:
         """A new ``expected_size`` for the search under way (see :meth:`look_for_group`;
         call on the loop). A diloco round is scheduled before its epoch ends, and a peer
         that joined meanwhile was counted by everyone only at the launch: the groups
         began with the peers counted at scheduling, every epoch, and left it out."""
-        full_at = self._full_at(expected_size)
+        full_at = self.rules.full_at(expected_size)
         s = self._search
         if s is None:
             return
@@ -431,10 +319,12 @@ class Matchmaking:
             s.wakeup.set()
 
     def _time_to_begin(self, s: _Search) -> bool:
-        if self.client_mode:
-            return False
-        full = len(s.followers) + 1 >= s.full_at
-        return full or self._dht_time() >= s.ready_by - _TICK
+        return self.rules.time_to_begin(
+            members=len(s.followers) + 1,
+            full_at=s.full_at,
+            ready_by=s.ready_by,
+            now=self._dht_time(),
+        )
 
     async def _run(
         self, s: _Search, scheduled_time: float | None, hint: PeerID | None
@@ -451,21 +341,21 @@ class Matchmaking:
         known: dict[PeerID, Declaration] = {}
         tried: set[tuple[PeerID, float | None]] = set()
         next_refresh = -math.inf
-        refresh_period = max(0.05, min(self.request_timeout, self.min_matchmaking_time / 4))
-        while not self._closed and loop.time() < s.deadline - _TICK:
+        refresh_period = self.rules.refresh_period()
+        while not self._closed and loop.time() < s.deadline - TICK:
             if s.ready_by > -math.inf and self._time_to_begin(s):
                 group = self._begin(s)
                 if group is not None:
                     return group
                 s.ready_by = -math.inf  # too small or alone: declare again
                 s.reads_from = -math.inf  # and look for other leaders, hint or not
-            if self._dht_time() >= s.ready_by - _TICK:
+            if self._dht_time() >= s.ready_by - TICK:
                 remaining = s.deadline - loop.time()
-                if scheduled_time is not None and scheduled_time > self._dht_time():
-                    s.ready_by = min(scheduled_time, self._dht_time() + remaining)
+                s.ready_by, used = self.rules.next_ready_by(
+                    self._dht_time(), remaining, scheduled_time
+                )
+                if used:
                     scheduled_time = None
-                else:
-                    s.ready_by = self._dht_time() + min(self.min_matchmaking_time, remaining)
                 tried.clear()
                 maddrs = () if self.client_mode else map(str, self.peer.get_visible_maddrs())
                 declare = self.key_manager.declare(
@@ -474,7 +364,7 @@ class Matchmaking:
                 await self._bounded(declare, s)
                 next_refresh = -math.inf
             refresh_at = max(next_refresh, s.reads_from)
-            if loop.time() >= refresh_at - _TICK:
+            if loop.time() >= refresh_at - TICK:
                 declarations = await self._bounded(self.key_manager.get_declarations(s.key), s)
                 next_refresh = loop.time() + refresh_period
                 if declarations is not None:
@@ -504,7 +394,7 @@ class Matchmaking:
             wake_at = min(refresh_at, s.deadline, self._local_time_of(s.ready_by))
             s.wakeup.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(max(wake_at, loop.time() + 2 * _TICK)):
+                async with asyncio.timeout_at(max(wake_at, loop.time() + 2 * TICK)):
                     await s.wakeup.wait()
         return None
 
@@ -525,24 +415,16 @@ class Matchmaking:
         if good:
             self._maddrs_of[peer_id] = tuple(good[:MAX_MADDRS])
 
-    def _take_suggestion(self, message: dict) -> PeerID | None:
-        raw = message.get("suggested_leader")
-        if raw is None:
-            return None
-        if not isinstance(raw, bytes):
-            raise ProtocolViolation(f"suggested_leader is {type(raw).__name__}, not PeerID bytes")
-        suggested = PeerID(raw)
-        self._learn_maddrs(suggested, message.get("suggested_maddrs"))
+    def _take_suggestion(self, answer: Rejected | Disbanded) -> PeerID | None:
+        suggested = answer.suggested_leader
+        if suggested is not None:
+            self._learn_maddrs(suggested, answer.suggested_maddrs)
         return suggested
 
     def _may_follow(self, s: _Search, d: Declaration) -> bool:
-        if d.peer_id == self.peer.peer_id or d.client_mode or d.ready_by <= self._dht_time():
-            return False
-        if self.is_banned(d.peer_id):
-            return False
-        if self.client_mode:
-            return True
-        return (d.ready_by, d.peer_id) < (s.ready_by, self.peer.peer_id)
+        return self.rules.may_follow(
+            d, my_ready_by=s.ready_by, now=self._dht_time(), banned=self.is_banned(d.peer_id)
+        )
 
     async def _bounded(self, coro: Any, s: _Search) -> Any:
         """A DHT call bounded by request_timeout and the search deadline; None on failure."""
@@ -558,7 +440,7 @@ class Matchmaking:
     def _begin(self, s: _Search) -> GroupInfo | None:
         """Our time has come (or the group is full): assemble it, or disband if too small.
         Synchronous, so nothing can join or leave halfway through."""
-        if len(s.followers) + 1 < self.min_group_size:
+        if not self.rules.enough_to_begin(len(s.followers) + 1):
             if s.followers:
                 logger.debug(
                     "%s: disbanding a group of %d (< min_group_size=%d)",
@@ -567,7 +449,7 @@ class Matchmaking:
                     self.min_group_size,
                 )
             self._release_followers(
-                s, _disbanded(f"the group was smaller than min_group_size={self.min_group_size}")
+                s, Disbanded(f"the group was smaller than min_group_size={self.min_group_size}")
             )
             return None
         members = [(self.peer.peer_id, s.data)]
@@ -575,17 +457,11 @@ class Matchmaking:
         self._rng.shuffle(members)
         group_id = self._rng.randbytes(20)
         info = GroupInfo(group_id, tuple(p for p, _ in members), tuple(g for _, g in members))
-        message = {
-            "code": "begin",
-            "group_id": group_id,
-            "peer_ids": [p.to_bytes() for p in info.peer_ids],
-            **_pack_gathered(info.gathered),
-        }
         s.assembled = True
-        self._release_followers(s, message)
+        self._release_followers(s, Begin(group_id, info.peer_ids, info.gathered))
         return info
 
-    def _release_followers(self, s: _Search, message: dict) -> None:
+    def _release_followers(self, s: _Search, message: Begin | Disbanded) -> None:
         for follower in s.followers.values():
             if not follower.outcome.done():
                 follower.outcome.set_result(message)
@@ -605,7 +481,7 @@ class Matchmaking:
             begin_in = self.min_matchmaking_time
         else:
             begin_in = scheduled_time - self._dht_time()
-        hold = max(0.0, min(left - self.request_timeout, begin_in + self.request_timeout))
+        hold = self.rules.hint_hold(left, begin_in)
         # Our ready_by only has to order us after the leader: we do not lead meanwhile.
         s.ready_by = self._dht_time() + left
         try:
@@ -625,48 +501,43 @@ class Matchmaking:
         try next if it suggested one, None otherwise. ``hold``: seconds the leader may keep
         the request until its own search starts."""
         loop = asyncio.get_running_loop()
-        request = {
-            "v": PROTOCOL_VERSION,
-            "prefix": self.prefix,
-            "group_key": s.key,
-            "ready_by": s.ready_by,
-            "client_mode": self.client_mode,
-            "gather": s.data,
-        }
-        if hold > 0:
-            request["hold"] = float(hold)
+        request = JoinRequest(
+            self.prefix,
+            s.key,
+            s.ready_by,
+            self.client_mode,
+            s.data,
+            float(hold) if hold > 0 else None,
+        )
         total = max(s.deadline - loop.time(), 0.0) + self.request_timeout
-        responses = self.peer.iterate(leader, JOIN_GROUP, request, timeout=total)
+        responses = self.peer.iterate(leader, JOIN_GROUP, request.encode(), timeout=total)
         try:
             async with asyncio.timeout(min(self.request_timeout + hold, total)):
-                first = await anext(responses)
-            if not isinstance(first, dict):
-                raise ProtocolViolation(f"{leader} answered a join request with {first!r:.60}")
-            if first.get("code") == "rejected":
-                logger.debug("%s: %s refused: %s", self.peer.peer_id, leader, first.get("message"))
+                first = decode_answer(
+                    await anext(responses), max_gather_bytes=self.max_gather_bytes
+                )
+            if isinstance(first, Rejected):
+                logger.debug("%s: %s refused: %s", self.peer.peer_id, leader, first.message)
                 return self._take_suggestion(first)
-            leader_ready_by = first.get("ready_by")
-            if first.get("code") != "accepted" or not isinstance(leader_ready_by, int | float):
+            if not isinstance(first, Accepted):
                 raise ProtocolViolation(f"{leader} sent {first!r:.80} instead of an answer")
             s.leader = leader
             # We follow now: our own followers go to our leader instead.
             self._release_followers(
                 s,
-                _disbanded(f"{self.peer.peer_id} follows", leader, self._maddrs_of.get(leader, ())),
+                Disbanded(f"{self.peer.peer_id} follows", leader, self._maddrs_of.get(leader, ())),
             )
-            wait_until = self._local_time_of(float(leader_ready_by)) + 2 * self.request_timeout
+            wait_until = self._local_time_of(first.ready_by) + 2 * self.request_timeout
             async with asyncio.timeout_at(min(wait_until, s.deadline)):
-                second = await anext(responses)
-            if not isinstance(second, dict):
-                raise ProtocolViolation(f"{leader} sent {second!r:.60} instead of the group")
-            if second.get("code") == "begin":
-                group = _parse_group(
-                    second, self.peer.peer_id, leader, s.data, self.max_gather_bytes
+                second = decode_answer(
+                    await anext(responses), max_gather_bytes=self.max_gather_bytes
                 )
+            if isinstance(second, Begin):
+                group = self.rules.check_group(second, leader, s.data)
                 s.joined = leader
                 return group
-            if second.get("code") == "disbanded":
-                logger.debug("%s: %s disbanded: %s", self.peer.peer_id, leader, second["message"])
+            if isinstance(second, Disbanded):
+                logger.debug("%s: %s disbanded: %s", self.peer.peer_id, leader, second.message)
                 return self._take_suggestion(second)
             raise ProtocolViolation(f"{leader} sent {second!r:.80} instead of the group")
         except (TimeoutError, StopAsyncIteration, SwarmgradError, OSError) as e:
@@ -678,99 +549,54 @@ class Matchmaking:
 
     # ------------------------------------------------------------------ leader side
 
-    def _check_join(self, s: _Search | None, request: Any, remote: PeerID) -> dict | None:
-        """None if we accept ``remote`` into our group, else the rejection to send."""
-        if not isinstance(request, dict):
-            return _rejected(Rejection.BAD_REQUEST, "a join request must be a map")
-        key, ready_by = request.get("group_key"), request.get("ready_by")
-        gather, client = request.get("gather"), request.get("client_mode")
-        if (
-            not isinstance(key, str)
-            or isinstance(ready_by, bool)
-            or not isinstance(ready_by, int | float)
-            or not isinstance(gather, bytes)
-            or not isinstance(client, bool)
-        ):
-            return _rejected(
-                Rejection.BAD_REQUEST,
-                "a join request needs group_key (str), ready_by (number), gather (bytes) and "
-                "client_mode (bool)",
-            )
-        if len(gather) > self.max_gather_bytes:
-            return _rejected(
-                Rejection.BAD_REQUEST,
-                f"gathered data of {len(gather)} bytes exceeds {self.max_gather_bytes}",
-            )
-        if self.is_banned(remote):
-            return _rejected(
-                Rejection.BANNED, f"{remote} is banned from {self.peer.peer_id}'s groups for now"
-            )
+    def _leader_view(self) -> LeaderView | None:
+        """Our search as a join request sees it; None while we are not looking."""
+        s = self._search
         if s is None or self._closed or s.assembled:
-            return _rejected(Rejection.NOT_LOOKING, f"{self.peer.peer_id} is not looking")
-        if self.client_mode:
-            return _rejected(Rejection.NOT_A_LEADER, "a client-mode peer never leads a group")
-        if s.leader is not None:
-            return _rejected(
-                Rejection.NOT_A_LEADER,
-                f"{self.peer.peer_id} follows {s.leader}",
-                s.leader,
-                self._maddrs_of.get(s.leader, ()),
-            )
-        if key != s.key:
-            return _rejected(
-                Rejection.BAD_GROUP_KEY, f"we look for a group under {s.key!r}, not {key!r:.80}"
-            )
-        if remote in s.followers:
-            return _rejected(Rejection.DUPLICATE_PEER_ID, f"{remote} is already in this group")
-        if not client and (ready_by, remote) <= (s.ready_by, self.peer.peer_id):
-            return _rejected(
-                Rejection.BAD_ORDER,
-                f"ready_by {ready_by} is not after ours ({s.ready_by}): followers must come "
-                "after their leader",
-            )
-        if len(s.followers) + 1 >= self.target_group_size:
-            return _rejected(Rejection.GROUP_FULL, f"the group is full ({self.target_group_size})")
-        if self._dht_time() >= s.ready_by:
-            return _rejected(Rejection.TOO_LATE, "the group is about to begin")
-        return None
+            return None
+        following = s.leader
+        maddrs = self._maddrs_of.get(following, ()) if following is not None else ()
+        return LeaderView(s.key, s.ready_by, frozenset(s.followers), following, maddrs)
 
-    async def _wait_for_search(self, request: Any) -> None:
+    async def _wait_for_search(self, request: JoinRequest) -> None:
         """A join request that asks to be held (``hold``: seconds) waits here, bounded,
         while we are not looking yet: its sender knows we will lead."""
-        hold = request.get("hold") if isinstance(request, dict) else None
-        if (
-            self._search is not None
-            or self._closed
-            or isinstance(hold, bool)
-            or not isinstance(hold, int | float)
-            or not hold > 0
-            or self._held >= self.target_group_size
-        ):
+        hold = self.rules.hold(
+            request, looking=self._search is not None, closed=self._closed, held=self._held
+        )
+        if hold <= 0:
             return
         self._held += 1
         try:
-            async with asyncio.timeout(min(float(hold), MAX_HOLD)):
+            async with asyncio.timeout(hold):
                 await self._looking.wait()
         except TimeoutError:
             pass
         finally:
             self._held -= 1
 
-    async def _serve_join(self, request: Any, context: RPCContext) -> AsyncIterator[dict]:
-        await self._wait_for_search(request)
-        s = self._search
+    async def _serve_join(self, raw: Any, context: RPCContext) -> AsyncIterator[Answer]:
         remote = context.remote_id
-        rejection = self._check_join(s, request, remote)
+        try:
+            request = decode_join_request(raw)
+        except ProtocolViolation as e:
+            yield Rejected(Rejection.BAD_REQUEST, str(e))
+            return
+        await self._wait_for_search(request)
+        s, view = self._search, self._leader_view()
+        rejection = self.rules.judge_join(
+            request, remote, view, now=self._dht_time(), banned=self.is_banned(remote)
+        )
         if rejection is not None:
             yield rejection
             return
         assert s is not None
-        follower = _Follower(remote, request["gather"], asyncio.get_running_loop().create_future())
+        follower = _Follower(remote, request.gather, asyncio.get_running_loop().create_future())
         s.followers[remote] = follower
         if len(s.followers) + 1 >= s.full_at:
             s.wakeup.set()
         try:
-            yield {"code": "accepted", "ready_by": s.ready_by}
+            yield Accepted(s.ready_by)
             # The search loop resolves the outcome by our ready_by (it may be held up by
             # one pending request of its own); past that, something is wrong: let go.
             limit = self._local_time_of(s.ready_by) + 2 * self.request_timeout
@@ -778,7 +604,7 @@ class Matchmaking:
                 async with asyncio.timeout_at(limit):
                     outcome = await asyncio.shield(follower.outcome)
             except TimeoutError:
-                outcome = _disbanded("the leader did not begin in time")
+                outcome = Disbanded("the leader did not begin in time")
             yield outcome
         finally:
             if s.followers.get(remote) is follower:  # the follower left before the group began

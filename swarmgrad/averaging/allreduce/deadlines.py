@@ -18,11 +18,10 @@ a part from it. Explicit ``sender_timeout`` / ``reducer_timeout`` override the r
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 
-from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.checks import positive_number
 
 __all__ = ["AdaptiveTimeouts", "ThroughputMeter"]
 
@@ -48,15 +47,6 @@ class ThroughputMeter:
         return self.nbytes / max(self.seconds, 1e-6)
 
 
-def _check_positive(name: str, value: float | None, *, optional: bool) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValidationError(f"{name} must be a finite number, got {value!r}")
-    if value <= 0:
-        raise ValidationError(f"{name} must be > 0, got {value!r}")
-
-
 @dataclass
 class AdaptiveTimeouts:
     """Wait sizes for one all-reduce round (see the module docstring)."""
@@ -69,11 +59,11 @@ class AdaptiveTimeouts:
     _meters: list[ThroughputMeter] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        _check_positive("sender_timeout", self.sender_timeout, optional=True)
-        _check_positive("reducer_timeout", self.reducer_timeout, optional=True)
-        _check_positive("min_timeout", self.min_timeout, optional=False)
-        _check_positive("slack", self.slack, optional=False)
-        _check_positive("initial_rate", self.initial_rate, optional=False)
+        for name in ("sender_timeout", "reducer_timeout"):
+            if getattr(self, name) is not None:
+                positive_number(name, getattr(self, name))
+        for name in ("min_timeout", "slack", "initial_rate"):
+            positive_number(name, getattr(self, name))
 
     def new_meter(self) -> ThroughputMeter:
         meter = ThroughputMeter()

@@ -1,7 +1,7 @@
 """Group keys in the DHT: where peers that look for a group announce themselves.
 
 A peer looking for a group stores a declaration under its group key
-``<prefix>.0b<group bits>`` (see :mod:`swarmgrad.averaging.group_bits`): the subkey is its
+``<prefix>.0b<group bits>`` (see :mod:`.group_bits`): the subkey is its
 PeerID, the value ``[ready_by, client_mode, maddrs]`` where ``ready_by`` is the DHT time
 at which, as a leader, it will start its group, and ``maddrs`` the addresses at which
 followers reach it (a peer found in a DHT record is not necessarily one we have met). The
@@ -21,13 +21,13 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from swarmgrad.averaging.group_bits import (
+from swarmgrad.averaging.group_info import GroupInfo
+from swarmgrad.averaging.matchmaking.group_bits import (
     bits_per_axis_for,
     group_key,
     next_group_bits,
     validate_group_bits,
 )
-from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import ValidationError

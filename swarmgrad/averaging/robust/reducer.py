@@ -1,7 +1,7 @@
 """Owner side of a robust all-reduce: keep every sender's copy of a part, then apply an
-:class:`~.robust.AggregationRule` once all senders delivered it (or were excluded).
+:class:`~.rules.AggregationRule` once all senders delivered it (or were excluded).
 
-The same interface as :class:`~.partition.TensorPartReducer`, which keeps only a running
+The same interface as :class:`~..allreduce.partition.TensorPartReducer`, which keeps only a running
 sum: a robust rule needs all inputs at once, so this reducer holds ``senders x part``
 values per part until the part is finished (memory: the span times the group size, for
 the duration of a part). It also counts, per sender, the parts in which the rule limited
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from swarmgrad.averaging.robust import AggregationRule
+from swarmgrad.averaging.robust.rules import AggregationRule
 from swarmgrad.utils.errors import ProtocolViolation, ValidationError
 
 __all__ = ["RobustPartReducer"]
