@@ -46,6 +46,27 @@ MAX_ADDRESSES_PER_PEER = 16
 _S = TypeVar("_S", bound=rpc.ServicerBase)
 
 
+class AdmissionServicer(rpc.ServicerBase):
+    """``admission.renew`` (:data:`RENEW_TOKEN`): a peer whose token was renewed presents
+    it on each live connection, so the connection outlives the old token's expiry."""
+
+    rpc_prefix = "admission"
+
+    def __init__(self, admission: Admission):
+        self.admission = admission
+
+    async def rpc_renew(self, request: Any, context: rpc.RPCContext) -> dict:
+        """The caller presents its renewed token for the connection it calls on."""
+        raw = request.get("token") if isinstance(request, dict) else None
+        if not isinstance(raw, bytes):
+            raise ValidationError(f"{RENEW_TOKEN} expects {{'token': <token bytes>}}")
+        token = self.admission.check(raw, context.remote_id)
+        conn = context.stream.conn
+        if conn.remote_token is None or token.expires_at >= conn.remote_token.expires_at:
+            conn.remote_token = token
+        return {"ok": True}
+
+
 class Peer:
     """Use :meth:`create` (async) to build one; :meth:`shutdown` closes everything it owns."""
 
@@ -108,7 +129,7 @@ class Peer:
         if admission is not None:
             if hasattr(backend, "admission_token"):
                 backend.admission_token = lambda: admission.token_bytes
-            self.add_handler(RENEW_TOKEN, self._rpc_renew_token)
+            self.add_servicer(AdmissionServicer(admission))
             self._admission_task = asyncio.ensure_future(self._maintain_admission())
 
     # ------------------------------------------------------------------ construction
@@ -502,17 +523,6 @@ class Peer:
         )
 
     # ------------------------------------------------------------------ admission upkeep
-
-    async def _rpc_renew_token(self, request: Any, context: rpc.RPCContext) -> dict:
-        """The caller presents its renewed token for the connection it calls on."""
-        raw = request.get("token") if isinstance(request, dict) else None
-        if not isinstance(raw, bytes):
-            raise ValidationError("admission.renew expects {'token': <token bytes>}")
-        token = self.admission.check(raw, context.remote_id)
-        conn = context.stream.conn
-        if conn.remote_token is None or token.expires_at >= conn.remote_token.expires_at:
-            conn.remote_token = token
-        return {"ok": True}
 
     async def _maintain_admission(self) -> None:
         while True:
