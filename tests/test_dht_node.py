@@ -429,7 +429,7 @@ def test_a_read_quorum_is_checked():
 
     errors = run_simulation(main, latency=0.02)
     assert len(errors) == 4
-    assert "latest-gets only" in errors[3] and "positive integer" in errors[0]
+    assert "latest-gets only" in errors[3] and "positive int" in errors[0]
 
 
 def test_a_store_in_a_known_neighbourhood_asks_one_node_and_lands_on_the_replicas():

@@ -29,6 +29,7 @@ from swarmgrad.dht.storage import DHTLocalStorage, ValueWithExpiration
 from swarmgrad.dht.traversal import DHTTraversal, LookupResult
 from swarmgrad.dht.validation import CompositeValidator, DHTRecord
 from swarmgrad.net.identity import PeerID
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import AccessDenied, ProtocolViolation, ValidationError
 
 logger = logging.getLogger("swarmgrad.dht.node")  # the node's log, as before the split
@@ -241,8 +242,7 @@ class DHTReplication(DHTTraversal):
         if quorum is not None:
             if not latest:
                 raise ValidationError("a read quorum applies to latest-gets only")
-            if isinstance(quorum, bool) or not isinstance(quorum, int) or quorum < 1:
-                raise ValidationError(f"quorum must be a positive integer, got {quorum!r}")
+            positive_int("quorum", quorum)
         serialized = {key: serialize(key) for key in keys}
         results = await asyncio.gather(
             *(self._get_serialized(serialized[key], latest, quorum) for key in keys)

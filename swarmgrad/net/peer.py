@@ -27,6 +27,7 @@ from swarmgrad.net.admission import Admission, make_admission
 from swarmgrad.net.identity import Identity, PeerID
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.mux import IDLE_REASON, Connection, Stream
+from swarmgrad.utils.checks import optional_positive_seconds
 from swarmgrad.utils.errors import (
     ConnectionClosed,
     ConnectionIdleClosed,
@@ -100,9 +101,7 @@ class Peer:
         self.max_connections = max_connections
         self.keepalive_interval = keepalive_interval
         self.keepalive_timeout = keepalive_timeout
-        if idle_timeout is not None and not idle_timeout > 0:
-            raise ValidationError(f"idle_timeout must be positive or None, got {idle_timeout}")
-        self.idle_timeout = idle_timeout
+        self.idle_timeout = optional_positive_seconds("idle_timeout", idle_timeout)
         self._backend = backend
         self._announce = [Multiaddr.parse(m) for m in announce_maddrs]
         self._listen_maddrs: list[Multiaddr] = []

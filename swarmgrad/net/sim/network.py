@@ -91,6 +91,7 @@ from swarmgrad.net.sim.links import (
     check_latency,
 )
 from swarmgrad.net.sim.transport import ConnectAttempt, ProtocolFactory, SimListener, SimTransport
+from swarmgrad.utils.checks import positive_int, positive_seconds
 from swarmgrad.utils.errors import PeerUnreachable, ValidationError
 
 __all__ = ["LinkSettings", "SimListener", "SimNetwork", "SimTransport"]
@@ -126,15 +127,9 @@ class SimNetwork:
         self._latency = check_latency(latency)
         self._bandwidth = check_bandwidth(bandwidth)
         self._drop_probability = check_drop_probability(drop_probability)
-        if not connect_timeout > 0:
-            raise ValidationError(f"connect_timeout must be > 0 seconds, got {connect_timeout!r}")
-        self._connect_timeout = float(connect_timeout)
-        if not (isinstance(receive_window, int) and receive_window > 0):
-            raise ValidationError(f"receive_window must be an int > 0, got {receive_window!r}")
-        self._receive_window = receive_window
-        if not (isinstance(chunk_size, int) and chunk_size > 0):
-            raise ValidationError(f"chunk_size must be an int > 0, got {chunk_size!r}")
-        self._chunk_size = chunk_size
+        self._connect_timeout = positive_seconds("connect_timeout", connect_timeout)
+        self._receive_window = positive_int("receive_window", receive_window)
+        self._chunk_size = positive_int("chunk_size", chunk_size)
         self.trace: list[tuple[float, str]] | None = [] if trace else None
 
         self._hosts: dict[str, Host] = {}
