@@ -1,6 +1,6 @@
 """A Kademlia DHT node running on a :class:`~swarmgrad.net.peer.Peer`.
 
-What it does, in the order a reader meets it:
+What it does (see the end of this docstring for which module holds what):
 
 * **Handlers** for ``dht.ping``, ``dht.store`` and ``dht.find`` (none in client mode: a
   client stores nothing for others and is never put in routing tables).
@@ -26,6 +26,14 @@ What it does, in the order a reader meets it:
 
 Keys, subkeys and values are serialized with msgpack; records are checked by the record
 validators on every incoming store and every found value.
+
+Where the code is: the node is one object (every part reads and updates the same routing
+table, storage and address book), written in parts that build on each other, each its
+own module: :mod:`~swarmgrad.dht.traversal` (calls, batched finds, lookups) <
+:mod:`~swarmgrad.dht.replication` (store, get, caching, hand-off) <
+:mod:`~swarmgrad.dht.servicer` (the ``dht.*`` handlers) < this module (the node's state,
+joining, knowing peers, maintenance). The rules for records are pure functions in
+:mod:`~swarmgrad.dht.records`; the messages are in :mod:`~swarmgrad.dht.protocol`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """What a DHT node answers: ``dht.ping``, ``dht.store`` and ``dht.find``.
 
-:class:`DHTServicer` is the serving part of :class:`~swarmgrad.dht.node.DHTNode` (a
-mixin, so that ``grep "def rpc_"`` finds the DHT's surface here). Messages are decoded and
-encoded by :mod:`swarmgrad.dht.protocol`; a node in client mode serves none of them.
+:class:`DHTServicer` is the serving part of :class:`~swarmgrad.dht.node.DHTNode`: a
+:class:`~swarmgrad.net.rpc.ServicerBase` whose ``rpc_*`` methods are the DHT's protocol,
+answering from the node's own routing table and storage (hence a part of the node, not
+an object beside it). Messages are decoded and encoded by :mod:`swarmgrad.dht.protocol`;
+a node in client mode serves none of them.
 """
 
 from __future__ import annotations
