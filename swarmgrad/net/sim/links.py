@@ -24,6 +24,8 @@ DEFAULT_HIGH_WATER = 64 * 1024
 
 
 class Unset(enum.Enum):
+    """A per-host setting not given (``None`` is a value there: unlimited bandwidth)."""
+
     UNSET = enum.auto()
 
 
