@@ -38,7 +38,7 @@ async def stop(nodes):
 def count_finds(node):
     """Wrap a node's find handler to count the requests it serves."""
     counter = {"requests": 0, "keys": 0}
-    original = node._rpc_find
+    original = node.rpc_find
 
     async def counting(request, context):
         counter["requests"] += 1
@@ -96,7 +96,7 @@ def test_a_stores_lookup_asks_for_nearest_nodes_only_and_a_get_for_the_record():
         now = nodes[0].time_fn()
         seen: list[tuple[bool, int]] = []  # (records skipped for every key, bytes answered)
         for node in nodes:
-            original = node._rpc_find
+            original = node.rpc_find
 
             async def spying(request, context, original=original):
                 answer = await original(request, context)
@@ -429,7 +429,7 @@ def test_a_read_quorum_is_checked():
 
     errors = run_simulation(main, latency=0.02)
     assert len(errors) == 4
-    assert "latest-gets only" in errors[3] and "positive integer" in errors[0]
+    assert "latest-gets only" in errors[3] and "positive int" in errors[0]
 
 
 def test_a_store_in_a_known_neighbourhood_asks_one_node_and_lands_on_the_replicas():

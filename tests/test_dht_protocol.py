@@ -13,7 +13,7 @@ from swarmgrad.dht.protocol import FindAnswer, FoundRecord, StoreItem
 from swarmgrad.dht.routing import DHTID
 from swarmgrad.net.identity import Identity
 from swarmgrad.net.peer import Peer
-from swarmgrad.utils.errors import ProtocolViolation, RemoteError, ValidationError
+from swarmgrad.utils.errors import ProtocolViolation, RemoteError, UnknownHandler, ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
 anything = st.recursive(
@@ -121,6 +121,32 @@ def test_nodes_refuse_bad_stores_with_reasons_and_keep_serving(arun):
             assert (await a.get("small")).value == "ok"
         finally:
             for node in (b, a):
+                await node.shutdown()
+                await node.peer.shutdown()
+
+    arun(main)
+
+
+def test_a_node_serves_the_dht_names_until_shutdown_and_a_client_serves_none(arun):
+    async def main():
+        server = await DHTNode.create(await Peer.create())
+        address = str(server.peer.get_visible_maddrs()[0])
+        client = await DHTNode.create(await Peer.create(), [address], client_mode=True)
+        try:
+            names = sorted(handler.name for handler in server.rpc_handlers())
+            assert names == ["dht.find", "dht.ping", "dht.store"]  # the wire names
+            ping = protocol.encode_ping([], True)
+            their_time, is_client = protocol.decode_pong(
+                await client.peer.call(server.peer_id, "dht.ping", ping)
+            )
+            assert not is_client and their_time > 0
+            with pytest.raises(UnknownHandler):  # a client answers no lookups
+                await server.peer.call(client.peer_id, "dht.ping", ping)
+            await server.shutdown()
+            with pytest.raises(UnknownHandler):
+                await client.peer.call(server.peer_id, "dht.ping", ping)
+        finally:
+            for node in (client, server):
                 await node.shutdown()
                 await node.peer.shutdown()
 

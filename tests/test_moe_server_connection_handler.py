@@ -16,6 +16,7 @@ from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
 from swarmgrad.moe import protocol
 from swarmgrad.moe.protocol import BatchTensorDescriptor
 from swarmgrad.moe.server import ModuleBackend
+from swarmgrad.moe.server.connection_handler import ConnectionHandler
 from swarmgrad.utils.errors import RemoteError, UnknownHandler
 
 TIMEOUT = 30.0
@@ -281,3 +282,9 @@ def test_after_shutdown_calls_get_unknown_handler_and_queued_ones_an_error(arun)
                 await call_forward(client, addr, "b.0", torch.randn(1, 4))
 
     arun(main)
+
+
+def test_the_expert_protocol_is_served_under_the_moe_names():
+    names = sorted(handler.name for handler in ConnectionHandler({}).rpc_handlers())
+    assert names == ["moe.backward", "moe.forward", "moe.info"]
+    assert names == sorted([protocol.BACKWARD, protocol.FORWARD, protocol.INFO])

@@ -243,7 +243,7 @@ def test_shutdown_fails_queued_requests_and_refuses_new_ones(arun):
 def test_pool_arguments_are_checked():
     with pytest.raises(ValidationError, match="min_batch_size must be in"):
         TaskPool(lambda x: (x,), 4, "p", min_batch_size=5)
-    with pytest.raises(ValidationError, match="max_batch_size must be >= 1"):
+    with pytest.raises(ValidationError, match="max_batch_size must be a positive int"):
         TaskPool(lambda x: (x,), 0, "p")
     with pytest.raises(ValidationError, match="unique"):
         Runtime([TaskPool(lambda x: (x,), 4, "p"), TaskPool(lambda x: (x,), 4, "p")])

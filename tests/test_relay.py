@@ -22,6 +22,9 @@ def test_client_mode_peer_is_called_through_a_relay(arun):
         home = await Peer.create(client_mode=True, relays=relay.get_visible_maddrs())
         home.add_handler("echo", echo)
         assert home._listen_maddrs == [], "client mode opens no listener"
+        served = sorted(h.name for h in relay.relay_service.rpc_handlers())
+        assert served == ["relay.connect", "relay.reserve"]  # raw-stream wire names
+        assert [h.name for h in home.relay_client.rpc_handlers()] == ["relay.incoming"]
         (relayed,) = home.get_visible_maddrs()
         assert relayed.is_relayed and relayed.peer_id == home.peer_id
         assert relayed.relay.peer_id == relay.peer_id
@@ -61,6 +64,9 @@ def test_calling_a_peer_without_reservation_names_the_problem(arun):
         relay = await Peer.create()
         caller = await Peer.create()
         home = await Peer.create(client_mode=True, relays=relay.get_visible_maddrs())
+        served = sorted(h.name for h in relay.relay_service.rpc_handlers())
+        assert served == ["relay.connect", "relay.reserve"]  # raw-stream wire names
+        assert [h.name for h in home.relay_client.rpc_handlers()] == ["relay.incoming"]
         (relayed,) = home.get_visible_maddrs()
         await home.shutdown()
         await asyncio.sleep(0.2)

@@ -26,7 +26,8 @@ from swarmgrad.compression.serialized import (
     SerializedTensor,
     check_header,
 )
-from swarmgrad.utils.errors import CodecError, ValidationError
+from swarmgrad.utils.checks import positive_int
+from swarmgrad.utils.errors import CodecError
 
 __all__ = [
     "DEFAULT_MAX_NBYTES",
@@ -96,10 +97,7 @@ def split_for_streaming(serialized: SerializedTensor, part_size_bytes: int) -> I
     """Cut ``serialized``'s payload into parts of ``part_size_bytes`` (the last may be
     shorter; an empty payload gives one empty part). Part buffers are memoryview slices of
     the payload: nothing is copied."""
-    if isinstance(part_size_bytes, bool) or not isinstance(part_size_bytes, int):
-        raise ValidationError(f"part_size_bytes must be an integer, got {part_size_bytes!r}")
-    if part_size_bytes < 1:
-        raise ValidationError(f"part_size_bytes must be positive, got {part_size_bytes}")
+    positive_int("part_size_bytes", part_size_bytes)
     payload = memoryview(serialized.buffer).cast("B")
     count = max(1, -(-payload.nbytes // part_size_bytes))
     header = serialized.header()
@@ -249,8 +247,7 @@ async def deserialize_tensor_stream(
 def split_into_parts(tensor: torch.Tensor, max_numel: int) -> tuple[torch.Tensor, ...]:
     """Flat pieces of ``tensor`` of at most ``max_numel`` elements each, in order (views
     when the tensor is contiguous). An empty tensor gives one empty piece."""
-    if isinstance(max_numel, bool) or not isinstance(max_numel, int) or max_numel < 1:
-        raise ValidationError(f"max_numel must be a positive integer, got {max_numel!r}")
+    positive_int("max_numel", max_numel)
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return (flat,)

@@ -36,6 +36,7 @@ from swarmgrad.monitor.http import HTTPServer, PortInUse
 from swarmgrad.monitor.page import render_page
 from swarmgrad.monitor.prometheus import CONTENT_TYPE, render_metrics
 from swarmgrad.optim.metrics import RUNS_KEY, metrics_key
+from swarmgrad.utils.checks import positive_seconds
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine
 from swarmgrad.utils.timeutils import get_dht_time
@@ -67,8 +68,7 @@ class Monitor:
     ):
         if dht.peer is None:
             raise ValidationError("the DHT is not running: start it before the Monitor")
-        if not poll_interval > 0:
-            raise ValidationError(f"poll_interval must be positive, got {poll_interval!r}")
+        positive_seconds("poll_interval", poll_interval)
         if port is not None and not 0 <= port <= 65535:
             raise ValidationError(f"port must be between 0 and 65535, got {port}")
         for run_id in run_ids or ():

@@ -27,6 +27,7 @@ from swarmgrad.net.admission import Admission, make_admission
 from swarmgrad.net.identity import Identity, PeerID
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.mux import IDLE_REASON, Connection, Stream
+from swarmgrad.utils.checks import optional_positive_seconds
 from swarmgrad.utils.errors import (
     ConnectionClosed,
     ConnectionIdleClosed,
@@ -44,6 +45,27 @@ RAW_PROTOCOL_PREFIX = b"\x00raw:"  # stream headers of non-RPC protocols (e.g. r
 RENEW_TOKEN = "admission.renew"  # a peer presents its renewed token on a live connection
 MAX_ADDRESSES_PER_PEER = 16
 _S = TypeVar("_S", bound=rpc.ServicerBase)
+
+
+class AdmissionServicer(rpc.ServicerBase):
+    """``admission.renew`` (:data:`RENEW_TOKEN`): a peer whose token was renewed presents
+    it on each live connection, so the connection outlives the old token's expiry."""
+
+    rpc_prefix = "admission"
+
+    def __init__(self, admission: Admission):
+        self.admission = admission
+
+    async def rpc_renew(self, request: Any, context: rpc.RPCContext) -> dict:
+        """The caller presents its renewed token for the connection it calls on."""
+        raw = request.get("token") if isinstance(request, dict) else None
+        if not isinstance(raw, bytes):
+            raise ValidationError(f"{RENEW_TOKEN} expects {{'token': <token bytes>}}")
+        token = self.admission.check(raw, context.remote_id)
+        conn = context.stream.conn
+        if conn.remote_token is None or token.expires_at >= conn.remote_token.expires_at:
+            conn.remote_token = token
+        return {"ok": True}
 
 
 class Peer:
@@ -79,9 +101,7 @@ class Peer:
         self.max_connections = max_connections
         self.keepalive_interval = keepalive_interval
         self.keepalive_timeout = keepalive_timeout
-        if idle_timeout is not None and not idle_timeout > 0:
-            raise ValidationError(f"idle_timeout must be positive or None, got {idle_timeout}")
-        self.idle_timeout = idle_timeout
+        self.idle_timeout = optional_positive_seconds("idle_timeout", idle_timeout)
         self._backend = backend
         self._announce = [Multiaddr.parse(m) for m in announce_maddrs]
         self._listen_maddrs: list[Multiaddr] = []
@@ -108,7 +128,7 @@ class Peer:
         if admission is not None:
             if hasattr(backend, "admission_token"):
                 backend.admission_token = lambda: admission.token_bytes
-            self.add_handler(RENEW_TOKEN, self._rpc_renew_token)
+            self.add_servicer(AdmissionServicer(admission))
             self._admission_task = asyncio.ensure_future(self._maintain_admission())
 
     # ------------------------------------------------------------------ construction
@@ -502,17 +522,6 @@ class Peer:
         )
 
     # ------------------------------------------------------------------ admission upkeep
-
-    async def _rpc_renew_token(self, request: Any, context: rpc.RPCContext) -> dict:
-        """The caller presents its renewed token for the connection it calls on."""
-        raw = request.get("token") if isinstance(request, dict) else None
-        if not isinstance(raw, bytes):
-            raise ValidationError("admission.renew expects {'token': <token bytes>}")
-        token = self.admission.check(raw, context.remote_id)
-        conn = context.stream.conn
-        if conn.remote_token is None or token.expires_at >= conn.remote_token.expires_at:
-            conn.remote_token = token
-        return {"ok": True}
 
     async def _maintain_admission(self) -> None:
         while True:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.mux import Stream
+from swarmgrad.net.rpc import ServicerBase
 from swarmgrad.utils.errors import (
     PeerUnreachable,
     ProtocolViolation,
@@ -194,8 +195,12 @@ async def _splice(a: Stream, b: Stream) -> None:
         b.reset(reason)
 
 
-class RelayService:
-    """Relaying for others, on a public peer (``allow_relay=False`` refuses everyone)."""
+class RelayService(ServicerBase):
+    """Relaying for others, on a public peer (``allow_relay=False`` refuses everyone).
+
+    Its ``rpc_*`` methods take raw streams: a relayed circuit is a byte pipe, not RPC."""
+
+    rpc_prefix = "relay"
 
     def __init__(
         self,
@@ -211,10 +216,10 @@ class RelayService:
         self.max_circuits_per_peer = max_circuits_per_peer
         self.reservations: dict[PeerID, Stream] = {}
         self._circuits: dict[PeerID, int] = {}
-        peer.add_protocol_handler(RESERVE, self._handle_reserve)
-        peer.add_protocol_handler(CONNECT, self._handle_connect)
+        peer.add_servicer(self)
 
-    async def _handle_reserve(self, stream: Stream) -> None:
+    async def rpc_reserve(self, stream: Stream) -> None:
+        """``relay.reserve``: a client-mode peer holds this stream open to be reachable."""
         client = stream.remote_peer_id
         if not self.allow_relay:
             await _write_reply(stream, False, f"{self.peer.peer_id} does not relay (--no-relay)")
@@ -240,7 +245,8 @@ class RelayService:
             with contextlib.suppress(SwarmgradError):
                 await stream.aclose()
 
-    async def _handle_connect(self, stream: Stream) -> None:
+    async def rpc_connect(self, stream: Stream) -> None:
+        """``relay.connect``: splice the caller to a reserved peer named on the stream."""
         source = stream.remote_peer_id
         target = await _read_peer_id(stream)
         reservation = self.reservations.get(target)
@@ -268,8 +274,11 @@ class RelayService:
                 del self._circuits[source]
 
 
-class RelayClient:
-    """Dialing through relays (every peer) and keeping reservations (client-mode peers)."""
+class RelayClient(ServicerBase):
+    """Dialing through relays (every peer) and keeping reservations (client-mode peers);
+    serves ``relay.incoming``, the relayed connections a relay hands to us."""
+
+    rpc_prefix = "relay"
 
     def __init__(self, peer: Peer, relays: list[Multiaddr], *, retry_period: float = 5.0):
         self.peer = peer
@@ -280,7 +289,7 @@ class RelayClient:
         self._ready = asyncio.Event()
         self._refused: dict[Multiaddr, str] = {}  # relays that said no, and why
         self._all_refused = asyncio.Event()
-        peer.add_protocol_handler(INCOMING, self._handle_incoming)
+        peer.add_servicer(self)
 
     def start(self) -> None:
         for relay in self.relays:
@@ -329,7 +338,7 @@ class RelayClient:
                 self.peer._relayed_addrs = self.relayed_addresses
             await asyncio.sleep(self.retry_period)
 
-    async def _handle_incoming(self, stream: Stream) -> None:
+    async def rpc_incoming(self, stream: Stream) -> None:
         source = await _read_peer_id(stream)
         if stream.remote_peer_id not in {a.relay.peer_id for a in self._active.values()}:
             await _write_reply(stream, False, "not one of our relays")

@@ -32,6 +32,7 @@ import numpy as np
 from swarmgrad.dht.dht import DHT
 from swarmgrad.moe.dht_records import parse_prefix_entries, remember_addresses
 from swarmgrad.moe.expert_uid import UID_DELIMITER, ExpertInfo, ExpertPrefix, normalize_prefix
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
 
@@ -77,8 +78,8 @@ class MoEBeamSearcher:
         grid_size = tuple(grid_size)
         if not grid_size or not all(isinstance(n, int) and n > 0 for n in grid_size):
             raise ValidationError(f"grid_size must be positive ints, got {grid_size!r}")
-        if num_workers is not None and num_workers < 1:
-            raise ValidationError(f"num_workers must be >= 1, got {num_workers}")
+        if num_workers is not None:
+            positive_int("num_workers", num_workers)
         self.dht = dht
         self.uid_prefix = normalize_prefix(uid_prefix)
         self.grid_size = grid_size
@@ -123,8 +124,7 @@ class MoEBeamSearcher:
         """For each sample, up to ``num_results`` (default ``beam_size``) live experts as
         (score, info), best first. The ones past ``beam_size`` come from the same final
         beam at no extra cost: the MoE layers fall back on them when chosen experts fail."""
-        if beam_size < 1:
-            raise ValidationError(f"beam_size must be >= 1, got {beam_size}")
+        positive_int("beam_size", beam_size)
         num_results = beam_size if num_results is None else max(num_results, beam_size)
         scores = self._check_scores(batch_grid_scores)
         batch_size = scores[0].shape[0]

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from swarmgrad.moe.server.module_backend import ModuleBackend
+from swarmgrad.utils.checks import positive_int, positive_seconds
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = [
@@ -60,8 +61,7 @@ def save_expert(
 ) -> Path:
     """Write one checkpoint of ``backend`` atomically and delete all but the ``keep``
     newest; returns the new file's path."""
-    if keep < 1:
-        raise ValidationError(f"keep must be >= 1, got {keep}")
+    positive_int("keep", keep)
     directory = _expert_dir(checkpoint_dir, backend.name)
     directory.mkdir(parents=True, exist_ok=True)
     state = backend.checkpoint_state()
@@ -143,8 +143,7 @@ class CheckpointSaver:
         interval: float,
         keep: int = DEFAULT_KEEP,
     ):
-        if interval <= 0:
-            raise ValidationError(f"checkpoint interval must be > 0, got {interval}")
+        positive_seconds("checkpoint interval", interval)
         self.backends = backends
         self.checkpoint_dir = Path(checkpoint_dir)
         self.interval = interval

@@ -23,7 +23,7 @@ from swarmgrad.compression.wire import tensors_from_message, tensors_to_message
 from swarmgrad.moe import protocol
 from swarmgrad.moe.server.module_backend import ModuleBackend
 from swarmgrad.net.peer import Peer
-from swarmgrad.net.rpc import RPCContext
+from swarmgrad.net.rpc import RPCContext, ServicerBase
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["ConnectionHandler"]
@@ -34,12 +34,15 @@ logger = logging.getLogger(__name__)
 _OFFLOAD_NUMEL = 1 << 16
 
 
-class ConnectionHandler:
+class ConnectionHandler(ServicerBase):
     """Serves the experts in ``module_backends`` ({uid: backend}) on a peer.
 
     hivemind runs several handler processes; here the peer's event loop serves all calls
     and the heavy work happens on the runtime's device thread, so one handler suffices.
+    Its ``rpc_*`` methods are the expert protocol, served as ``moe.<name>``.
     """
+
+    rpc_prefix = "moe"
 
     def __init__(self, module_backends: Mapping[str, ModuleBackend]):
         self.module_backends = module_backends
@@ -47,17 +50,14 @@ class ConnectionHandler:
 
     def attach(self, peer: Peer) -> None:
         """Register the three handlers on ``peer`` (call on its loop)."""
-        peer.add_handler(protocol.INFO, self.rpc_info)
-        peer.add_handler(protocol.FORWARD, self.rpc_forward)
-        peer.add_handler(protocol.BACKWARD, self.rpc_backward)
+        peer.add_servicer(self)
         self._peer = peer
 
     def detach(self) -> None:
         """Unregister the handlers; later calls get UnknownHandler."""
         peer, self._peer = self._peer, None
         if peer is not None:
-            for name in (protocol.INFO, protocol.FORWARD, protocol.BACKWARD):
-                peer.remove_handler(name)
+            peer.remove_servicer(self)
 
     # ------------------------------------------------------------------ handlers
 

@@ -26,6 +26,7 @@ from swarmgrad.moe.server.expert_pattern import (
     parse_expert_pattern,
     pattern_text,
 )
+from swarmgrad.utils.checks import positive_seconds
 from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
 __all__ = ["ExpertDeclarer", "default_expiration", "generate_free_uids"]
@@ -50,8 +51,7 @@ class ExpertDeclarer:
         update_period: float = 30.0,
         expiration: float | None = None,
     ):
-        if update_period <= 0:
-            raise ValidationError(f"update_period must be > 0, got {update_period}")
+        positive_seconds("update_period", update_period)
         self.node = node
         self.uids = list(uids)
         self.update_period = update_period

@@ -28,6 +28,7 @@ from swarmgrad.moe.expert_uid import ExpertUID
 from swarmgrad.moe.protocol import BatchTensorDescriptor, check_batch, schema_to_message
 from swarmgrad.moe.server.activation_cache import ActivationCache, CachedForward
 from swarmgrad.moe.server.task_pool import TaskPool
+from swarmgrad.utils.checks import positive_number
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["ModuleBackend", "derive_outputs_schema"]
@@ -149,8 +150,8 @@ class ModuleBackend:
             )
         if args_schema is None:
             raise ValidationError(f"expert {name!r} needs an args_schema")
-        if clip_grad_norm is not None and clip_grad_norm <= 0:
-            raise ValidationError(f"expert {name!r}: clip_grad_norm must be > 0")
+        if clip_grad_norm is not None:
+            positive_number(f"expert {name!r}: clip_grad_norm", clip_grad_norm)
         self.name = name
         self.module = module
         self.optimizer = optimizer

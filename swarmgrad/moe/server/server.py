@@ -51,6 +51,7 @@ from swarmgrad.moe.server.runtime import Runtime
 from swarmgrad.moe.server.schedulers import SCHEDULER_NAMES, make_scheduler
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.multiaddr import Multiaddr
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["PeerInfo", "Server", "background_server"]
@@ -209,8 +210,7 @@ class Server:
                 "(add more with register_expert_class or custom_module_path)"
             )
         pattern = _check_uid_source(num_experts, expert_uids, expert_pattern)
-        if not isinstance(hidden_dim, int) or hidden_dim < 1:
-            raise ValidationError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
+        positive_int("hidden_dim", hidden_dim)
         _check_scheduler(scheduler, num_warmup_steps, num_training_steps)
         compression = CompressionType(compression)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -414,8 +414,7 @@ def _check_uid_source(
             "give expert_uids, or num_experts together with expert_pattern "
             "(for example num_experts=8, expert_pattern='expert.[0:32].[0:32]')"
         )
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValidationError(f"num_experts must be a positive int, got {num_experts!r}")
+    positive_int("num_experts", num_experts)
     pattern = parse_expert_pattern(expert_pattern)
     if num_experts > pattern.grid_size:
         raise ValidationError(

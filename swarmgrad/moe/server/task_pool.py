@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
 if TYPE_CHECKING:
@@ -93,8 +94,7 @@ class TaskPool:
         timeout: float = 0.05,
         max_queued_samples: int | None = None,
     ):
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValidationError(f"pool {name}: max_batch_size must be >= 1, got {max_batch_size}")
+        positive_int(f"pool {name}: max_batch_size", max_batch_size)
         if not isinstance(min_batch_size, int) or not 1 <= min_batch_size <= max_batch_size:
             raise ValidationError(
                 f"pool {name}: min_batch_size must be in [1, max_batch_size={max_batch_size}], "
