@@ -24,9 +24,12 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from swarmgrad.averaging.allreduce.types import AllReduceResult
 from swarmgrad.net.identity import PeerID
+
+if TYPE_CHECKING:  # robust/ sits below allreduce/, which applies its rules
+    from swarmgrad.averaging.allreduce.types import AllReduceResult
 
 __all__ = ["BAN_OPTIONS", "OffenceCounts", "OffenderLog", "without_bans"]
 
