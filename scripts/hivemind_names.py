@@ -142,30 +142,29 @@ def _default_repr(value: object) -> str:
 
 
 def signature_of(obj: object) -> list[dict] | None:
-    target = obj.__init__ if inspect.isclass(obj) else obj
-    if inspect.isclass(obj) and target is object.__init__:
+    """Parameter names, kinds and default reprs; a class' are those of calling it (its
+    ``__init__``, or pydantic's field signature), without ``self``; parameters whose names
+    start with ``_`` are hivemind-internal and left out."""
+    if inspect.isclass(obj) and obj.__init__ is object.__init__:
         return None
     try:
-        sig = inspect.signature(target)
+        if inspect.isclass(obj) and getattr(obj, "__signature__", None) is None:
+            sig = inspect.signature(obj.__init__)  # not a ``__new__`` that only dispatches
+        else:
+            sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return None
     params = []
     for i, p in enumerate(sig.parameters.values()):
-        if i == 0 and p.name in ("self", "cls") and (inspect.isclass(obj) or _is_method(obj)):
+        if i == 0 and p.name in ("self", "cls"):
+            continue
+        if p.name.startswith("_"):
             continue
         entry = {"name": p.name, "kind": p.kind.name}
         if p.default is not inspect.Parameter.empty:
             entry["default"] = _default_repr(p.default)
         params.append(entry)
     return params
-
-
-def _is_method(obj: object) -> bool:
-    try:
-        first = next(iter(inspect.signature(obj).parameters))
-    except (TypeError, ValueError, StopIteration):
-        return False
-    return first in ("self", "cls")
 
 
 def kind_of(obj: object) -> str:
@@ -224,7 +223,7 @@ def walk_modules() -> tuple[list[dict], list[dict]]:
                 excluded.append({"name": where, "reason": reason})
                 continue
             entry = {"module": module_name, "name": name, "kind": kind_of(obj)}
-            if entry["kind"] in ("class", "function", "enum") and _is_hivemind(obj):
+            if entry["kind"] in ("class", "function") and _is_hivemind(obj):
                 sig = signature_of(obj)
                 if sig is not None:
                     entry["signature"] = sig
@@ -272,7 +271,7 @@ def walk_members() -> tuple[list[dict], list[dict]]:
                     sig = inspect.signature(func)
                     params = []
                     for i, p in enumerate(sig.parameters.values()):
-                        if i == 0 and p.name in ("self", "cls"):
+                        if (i == 0 and p.name in ("self", "cls")) or p.name.startswith("_"):
                             continue
                         item = {"name": p.name, "kind": p.kind.name}
                         if p.default is not inspect.Parameter.empty:
