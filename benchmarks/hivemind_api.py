@@ -118,18 +118,21 @@ def compare_signature(theirs: list[dict], value: Any) -> list[str]:
     if ours is None:
         return ["no inspectable signature"]
     by_name = {p.name: p for p in ours}
-    positional = [p.name for p in ours if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    has_var = {p.kind for p in ours} & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+    P = inspect.Parameter
+    positional = [p.name for p in ours if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    has_var = {p.kind for p in ours} & {P.VAR_POSITIONAL, P.VAR_KEYWORD}
     problems = []
-    their_positional = [p["name"] for p in theirs if p["kind"] in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    their_positional = [
+        p["name"] for p in theirs if p["kind"] in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
+    ]
     for p in theirs:
         name, kind = p["name"], p["kind"]
         if kind == "VAR_POSITIONAL":
-            if inspect.Parameter.VAR_POSITIONAL not in has_var:
+            if P.VAR_POSITIONAL not in has_var:
                 problems.append(f"*{name} missing")
             continue
         if kind == "VAR_KEYWORD":
-            if inspect.Parameter.VAR_KEYWORD not in has_var:
+            if P.VAR_KEYWORD not in has_var:
                 problems.append(f"**{name} missing")
             continue
         mine = by_name.get(name)
@@ -144,13 +147,14 @@ def compare_signature(theirs: list[dict], value: Any) -> list[str]:
                 problems.append(f"{name} not at position #{index}")
             elif kind == "POSITIONAL_OR_KEYWORD" and mine.kind == mine.POSITIONAL_ONLY:
                 problems.append(f"{name} positional-only here")
-        elif kind == "KEYWORD_ONLY" and mine.kind not in (mine.KEYWORD_ONLY, mine.POSITIONAL_OR_KEYWORD):
+        elif kind == "KEYWORD_ONLY" and mine.kind not in (P.KEYWORD_ONLY, P.POSITIONAL_OR_KEYWORD):
             problems.append(f"{name} not accepted by keyword")
         if "default" in p:
             if mine.default is inspect.Parameter.empty:
                 problems.append(f"{name} has no default (hivemind: {p['default']})")
             elif not same_default(p["default"], mine.default):
-                problems.append(f"{name} default {_default_repr(mine.default)} (hivemind: {p['default']})")
+                ours_default = _default_repr(mine.default)
+                problems.append(f"{name} default {ours_default} (hivemind: {p['default']})")
     return problems
 
 
