@@ -57,6 +57,20 @@ logger = logging.getLogger(__name__)
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
+# hivemind.optim.state_averager's names, which programs import (the ALBERT example takes
+# LRSchedulerBase from here)
+Parameters = Iterable[torch.Tensor]
+ParamGroups = Iterable[dict[str, Any]]
+TorchOptimizer = torch.optim.Optimizer
+LRSchedulerBase = torch.optim.lr_scheduler.LRScheduler
+ZERO_GRAD_SET_TO_NONE_DEFAULT = True  # torch >= 2 clears gradients to None by default
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, flat_metadata: Any, flat_tensors: Any):
+    """Load a state from :func:`dump_optimizer_state` into ``optimizer`` in place
+    (hivemind's name; ValidationError naming the first mismatch, before any change)."""
+    load_optimizer_state_(optimizer, flat_metadata, list(flat_tensors))
+
 
 class TrainingStateAverager(DecentralizedAverager):
     """See the module docstring. Arguments (hivemind's names):

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from swarmgrad.compression.serialized import CompressionType
-from swarmgrad.moe.expert_uid import ExpertUID, check_uid
+from swarmgrad.moe.dht_records import get_experts_info_on_node
+from swarmgrad.moe.expert_uid import UID_DELIMITER, ExpertUID, check_uid
 from swarmgrad.moe.protocol import BatchTensorDescriptor
 from swarmgrad.moe.server.activation_cache import ActivationCache
 from swarmgrad.moe.server.checkpoints import (
@@ -51,7 +52,7 @@ from swarmgrad.moe.server.runtime import Runtime
 from swarmgrad.moe.server.schedulers import SCHEDULER_NAMES, make_scheduler
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.multiaddr import Multiaddr
-from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
 __all__ = ["PeerInfo", "Server", "background_server"]
 
@@ -95,16 +96,16 @@ class Server:
         self,
         dht: Any,
         module_backends: Mapping[ExpertUID, ModuleBackend],
-        *,
-        num_connection_handlers: int | None = None,
-        update_period: float = 30.0,
+        num_connection_handlers: int | None = 1,
+        update_period: float = 30,
         expiration: float | None = None,
+        start: bool = False,
         checkpoint_dir: str | Path | None = None,
+        *,
         checkpoint_interval: float | None = None,
         keep_checkpoints: int = DEFAULT_KEEP,
         stats_report_interval: float | None = None,
         activation_cache_bytes: int = DEFAULT_ACTIVATION_CACHE_BYTES,
-        start: bool = False,
         **kwargs: Any,
     ):
         if kwargs:
@@ -234,7 +235,12 @@ class Server:
             )
             logger.info("DHT peer running on %s", [str(m) for m in dht.get_visible_maddrs()])
         try:
-            if expert_uids is None:
+            if expert_uids is None and pattern is _SEQUENTIAL:
+                expert_uids = dht.run_coroutine(
+                    lambda _dht, node: _first_free_uids(node, num_experts)
+                )
+                logger.info("no expert_pattern: serving %s", ", ".join(expert_uids))
+            elif expert_uids is None:
                 logger.info("choosing %d expert uids from pattern %r", num_experts, expert_pattern)
                 expert_uids = dht.run_coroutine(
                     lambda _dht, node: generate_free_uids(node, num_experts, pattern)
@@ -391,6 +397,30 @@ class Server:
 # ---------------------------------------------------------------------- helpers
 
 
+_SEQUENTIAL = object()  # _check_uid_source's answer for "expert.0, expert.1, ..."
+
+
+async def _first_free_uids(node: Any, num_experts: int) -> list[ExpertUID]:
+    """``expert.0``, ``expert.1``, ...: the first ``num_experts`` uids no server declared
+    (hivemind's choice without an ``expert_pattern``), looked up ten at a time over at most
+    ten times as many uids; taken ones fill up what is missing after that, with a warning."""
+    chosen: list[ExpertUID] = []
+    limit = 10 * num_experts
+    for start in range(0, limit, 10):
+        candidates = [f"expert{UID_DELIMITER}{i}" for i in range(start, min(limit, start + 10))]
+        try:
+            infos = await get_experts_info_on_node(node, candidates)
+        except (SwarmgradError, OSError) as e:
+            logger.warning("could not check which experts already exist: %r", e)
+            infos = [None] * len(candidates)
+        chosen += [uid for uid, info in zip(candidates, infos, strict=True) if info is None]
+        if len(chosen) >= num_experts:
+            return chosen[:num_experts]
+    logger.warning("only %d of expert.0 .. expert.%d are free", len(chosen), limit - 1)
+    taken = [f"expert{UID_DELIMITER}{i}" for i in range(limit)]
+    return (chosen + [uid for uid in taken if uid not in chosen])[:num_experts]
+
+
 def _check_uid_source(
     num_experts: int | None, expert_uids: Sequence[str] | None, expert_pattern: str | None
 ):
@@ -409,13 +439,17 @@ def _check_uid_source(
         if expert_pattern is not None:
             raise ValidationError("give either expert_uids or expert_pattern, not both")
         return None
-    if num_experts is None or expert_pattern is None:
+    if num_experts is None:
         raise ValidationError(
-            "give expert_uids, or num_experts together with expert_pattern "
-            "(for example num_experts=8, expert_pattern='expert.[0:32].[0:32]')"
+            "give expert_uids, or num_experts (with an expert_pattern such as "
+            "'expert.[0:32].[0:32]', or without one for expert.0, expert.1, ...)"
         )
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValidationError(f"num_experts must be a positive int, got {num_experts!r}")
+    if expert_pattern is None:
+        # as hivemind: without a pattern the uids are expert.0, expert.1, ... (the first
+        # ones no server declared yet)
+        return _SEQUENTIAL
     pattern = parse_expert_pattern(expert_pattern)
     if num_experts > pattern.grid_size:
         raise ValidationError(
