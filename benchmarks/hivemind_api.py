@@ -75,7 +75,11 @@ def _call_signature(value: Any) -> inspect.Signature:
     """What calling ``value`` accepts: a class' ``__init__`` without ``self`` (or a declared
     ``__signature__``, as pydantic models have), rather than a ``__new__`` that only
     dispatches."""
-    if inspect.isclass(value) and getattr(value, "__signature__", None) is None:
+    if (
+        inspect.isclass(value)
+        and getattr(value, "__signature__", None) is None
+        and value.__init__ is not object.__init__  # a NamedTuple's fields come from __new__
+    ):
         init = inspect.signature(value.__init__)
         return init.replace(parameters=list(init.parameters.values())[1:])
     return inspect.signature(value)
@@ -200,6 +204,19 @@ def check_member(entry: dict, classes: dict[str, Any]) -> str | None:
     return "missing"
 
 
+def raises_instead(entry: dict, classes: dict[str, Any]) -> str | None:
+    """What a member marked by ``swarmgrad.utils.compat.unsupported`` says to use."""
+    cls = classes.get(entry["class"])
+    if cls is None or isinstance(cls, Exception):
+        return None
+    try:
+        raw = inspect.getattr_static(cls, entry["name"])
+    except AttributeError:
+        return None
+    func = raw.fget if isinstance(raw, property) else raw
+    return getattr(func, "__hivemind_unsupported__", None)
+
+
 def measure(data: dict) -> dict:
     import swarmgrad
 
@@ -230,12 +247,19 @@ def measure(data: dict) -> dict:
         rows.append((path, entry["kind"], status, status_sig))
     classes: dict[str, Any] = {}
     member_rows = []
+    member_errors = []  # present, but an explanatory error instead of hivemind's behaviour
     for entry in data["members"]:
         why = check_member(entry, classes)
         path = f"{entry['class']}.{entry['name']}"
         if why is not None:
             member_gaps.append((path, why))
-        member_rows.append((path, entry["kind"], "ok" if why is None else why))
+            status = why
+        else:
+            instead = raises_instead(entry, classes)
+            status = "ok" if instead is None else f"raises, says: {instead}"
+            if instead is not None:
+                member_errors.append((path, instead))
+        member_rows.append((path, entry["kind"], status))
     albert = None
     if ALBERT.exists():
         albert = json.loads(ALBERT.read_text()).get("epochs")
@@ -253,12 +277,14 @@ def measure(data: dict) -> dict:
                 "name_gaps": len(name_gaps),
                 "signature_gaps": len(signature_gaps),
                 "member_gaps": len(member_gaps),
+                "members_raising_instead": len(member_errors),
             },
             "hivemind_version": data["hivemind_version"],
         },
         "name_gaps": name_gaps,
         "signature_gaps": signature_gaps,
         "member_gaps": member_gaps,
+        "member_errors": member_errors,
         "rows": rows,
         "member_rows": member_rows,
     }
@@ -285,6 +311,7 @@ def main() -> None:
         ("names not found at hivemind's path", report["name_gaps"]),
         ("signatures that differ", report["signature_gaps"]),
         ("members missing from the central classes", report["member_gaps"]),
+        ("members present as an error naming the replacement", report["member_errors"]),
     ):
         print(f"\n{title} ({len(gaps)}):")
         for path, why in gaps:

@@ -1,6 +1,7 @@
 """Fault-tolerant averaging: Moshpit matchmaking, butterfly all-reduce, load balancing,
 gossip, and state download for joining peers."""
 
+from swarmgrad.averaging import control  # hivemind.averaging.control
 from swarmgrad.averaging.allreduce import (
     AllReduceResult,
     AllReduceRunner,
@@ -50,6 +51,7 @@ __all__ = [
     "TensorPartReducer",
     "UnknownGroup",
     "load_balance_peers",
+    "control",
     "load_state_from_peers",
     "plan_round",
 ]

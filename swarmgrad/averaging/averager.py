@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -34,11 +35,21 @@ from swarmgrad.averaging.averager_core import AsyncDecentralizedAverager, check_
 from swarmgrad.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from swarmgrad.averaging.state_chunks import resolve_state_compression
 from swarmgrad.averaging.step_control import StepControl
-from swarmgrad.compression import CompressionBase, CompressionType, NoCompression
+from swarmgrad.compression import (
+    AdaptiveCompressionBase,
+    CompressionBase,
+    CompressionInfo,
+    CompressionType,
+    NoCompression,
+    TensorRole,
+    get_codec,
+)
 from swarmgrad.dht.dht import DHT
 from swarmgrad.net.identity import PeerID
+from swarmgrad.utils.compat import unsupported
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
+from swarmgrad.utils.serializer import MSGPackSerializer
 
 __all__ = ["DecentralizedAverager"]
 
@@ -60,6 +71,40 @@ _EXTRA_OPTIONS = {
     "ban_duration",
 }
 _IGNORED_OPTIONS = {"daemon"}  # hivemind forks a process; nothing is forked here
+
+
+class _TensorRoles(AdaptiveCompressionBase):
+    """``tensor_infos`` (hivemind): each averaged tensor's role, for a role-adaptive codec.
+
+    The all-reduce names a part by the index of its first tensor (``info.key``); this
+    codec puts that tensor's role into the part's info and lets ``inner`` choose."""
+
+    def __init__(self, inner: CompressionBase, roles: Sequence[TensorRole]):
+        self.inner, self.roles = inner, tuple(roles)
+
+    def choose_compression(self, info: CompressionInfo) -> CompressionBase:
+        if isinstance(info.key, int) and 0 <= info.key < len(self.roles):
+            info = dataclasses.replace(info, role=self.roles[info.key])
+        if isinstance(self.inner, AdaptiveCompressionBase):
+            return self.inner.choose_compression(info)
+        return self.inner
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r}, {len(self.roles)} roles)"
+
+
+def _with_tensor_roles(compression: Any, tensor_infos: Any, tensors: Sequence[torch.Tensor]):
+    infos = list(tensor_infos)
+    if len(infos) != len(tensors):
+        raise ValidationError(
+            f"tensor_infos has {len(infos)} entries for {len(tensors)} averaged tensors"
+        )
+    for i, info in enumerate(infos):
+        if not isinstance(info, CompressionInfo):
+            raise ValidationError(
+                f"tensor_infos[{i}] must be a CompressionInfo, got {type(info).__name__}"
+            )
+    return _TensorRoles(get_codec(compression), [info.role for info in infos])
 
 
 class DecentralizedAverager:
@@ -136,12 +181,14 @@ class DecentralizedAverager:
         reducer_timeout: float | None = None,
         compression: CompressionBase | CompressionType | str = NoCompression(),
         state_compression: CompressionBase | CompressionType | str = NoCompression(),
+        tensor_infos: Sequence[CompressionInfo] | None = None,
         bandwidth: float | None = None,
         min_vector_size: int = 0,
         auxiliary: bool = False,
         allow_state_sharing: bool | None = None,
         declare_state_period: float = 30,
         client_mode: bool | None = None,
+        daemon: bool = True,  # hivemind forks a process; nothing is forked here
         shutdown_timeout: float = 5,
         **kwargs: Any,
     ):
@@ -161,6 +208,8 @@ class DecentralizedAverager:
                 f"shutdown_timeout must be a positive number of seconds, got {shutdown_timeout!r}"
             )
         self.shutdown_timeout = float(shutdown_timeout)
+        if tensor_infos is not None:
+            compression = _with_tensor_roles(compression, tensor_infos, self._averaged_tensors)
         self._options: dict[str, Any] = dict(
             prefix=prefix,
             target_group_size=target_group_size,
@@ -309,7 +358,54 @@ class DecentralizedAverager:
         (both averagers running): see :meth:`.offenders.OffenderLog.follow`."""
         self._running().offenders.follow(other._running().offenders)
 
-    def get_group_bits(self) -> str:
+    # hivemind's names around the averager's process and servicer: see docs/hivemind.md
+
+    serializer = MSGPackSerializer
+
+    @property
+    def request_timeout(self) -> float:
+        return self._options["request_timeout"]
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Block until the averager started by ``run_in_background(await_ready=False)``
+        runs (raises what its start raised)."""
+        if self._starting is None:
+            raise ValidationError("the averager was not started: call run_in_background()")
+        self._starting.result(timeout)
+
+    def run(self) -> None:
+        """hivemind's averager process body. Nothing is forked here: this starts the
+        averager (unless started) and returns; it runs on the loop thread."""
+        if self._core is None and (self._starting is None or self._starting.done()):
+            self.run_in_background(await_ready=True)
+
+    _SERVICER = (
+        "the averager registers its handlers on the DHT's peer when it starts "
+        "(swarmgrad.averaging protocols); a custom protocol is a ServicerBase added with "
+        "dht.peer.add_servicer(...)"
+    )
+    add_p2p_handlers = unsupported(
+        "DecentralizedAverager.add_p2p_handlers", _SERVICER, is_async=True
+    )
+    remove_p2p_handlers = unsupported(
+        "DecentralizedAverager.remove_p2p_handlers", _SERVICER, is_async=True
+    )
+    get_stub = unsupported(
+        "DecentralizedAverager.get_stub",
+        "averager RPCs are internal; call peers with dht.peer.call(peer_id, name, request)",
+    )
+    rpc_join_group = unsupported("DecentralizedAverager.rpc_join_group", _SERVICER, is_async=True)
+    rpc_aggregate_part = unsupported(
+        "DecentralizedAverager.rpc_aggregate_part", _SERVICER, is_async=True
+    )
+    rpc_download_state = unsupported(
+        "DecentralizedAverager.rpc_download_state",
+        "state is served by StateSharing on the peer; load it with load_state_from_peers()",
+        is_async=True,
+    )
+
+    def get_group_bits(self, wait: bool = True) -> str:
+        """This peer's current group bits (``wait`` is hivemind's; the answer is immediate)."""
         core = self._core
         if core is None:
             return self._options["initial_group_bits"]

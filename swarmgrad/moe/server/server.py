@@ -145,6 +145,7 @@ class Server:
                 keep_checkpoints,
             )
         self.ready = threading.Event()
+        self._stopped = threading.Event()
         self._owns_dht = False
         self._state = "new"  # -> "started" -> "stopped"
         self._state_lock = threading.Lock()
@@ -300,6 +301,15 @@ class Server:
             self.shutdown()
             raise
 
+    def run(self) -> None:
+        """hivemind's thread body: start serving (unless started) and block until
+        :meth:`shutdown` is called from another thread. ``start=True`` (or
+        :meth:`run_in_background`) serves without blocking."""
+        if self._state == "new":
+            self.run_in_background(await_ready=True)
+        while self._state == "started":
+            self._stopped.wait(1.0)
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Withdraw the experts from the DHT, stop the handlers and the device thread
         (queued requests get an error), write final checkpoints, and stop the DHT if
@@ -361,6 +371,7 @@ class Server:
         with self._state_lock:
             previous, self._state = self._state, "stopped"
         self.ready.clear()
+        self._stopped.set()
         if previous == "new" and self._owns_dht:
             self.dht.shutdown()
         return previous == "started"
