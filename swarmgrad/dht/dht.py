@@ -120,7 +120,7 @@ class DHT:
         await_ready: bool = True,
         **kwargs: Any,
     ):
-        kwargs = dict(kwargs)
+        kwargs = dict(kwargs, use_relay=use_relay)
         relay_options = take_libp2p_options(kwargs, owner="DHT")
         _take_hivemind_node_options(kwargs)
         check_known(kwargs, _PEER_OPTIONS | _node_options(), owner="DHT")
@@ -129,7 +129,7 @@ class DHT:
         self.host_maddrs = list(host_maddrs)
         self.announce_maddrs = list(announce_maddrs or ())
         self.identity_path = identity_path
-        self.use_relay = relay_options.get("use_relay", use_relay)
+        self.use_relay = relay_options["use_relay"]
         self._relays = relay_options.get("relays")
         self.startup_timeout, self.shutdown_timeout = startup_timeout, shutdown_timeout
         self._validators = list(record_validators)

@@ -96,7 +96,7 @@ class TrainingStateAverager(DecentralizedAverager):
         initialize_optimizer: bool | None = None,
         offload_optimizer: bool = False,
         custom_gradients: bool = False,
-        reuse_tensors: bool = False,
+        reuse_tensors: bool | None = None,
         sync_epoch_when_averaging: bool = False,
         delta_rule_averaging: bool = False,
         average_opt_statistics: Sequence[str] = (),
@@ -118,6 +118,8 @@ class TrainingStateAverager(DecentralizedAverager):
             average_opt_statistics = (average_opt_statistics,)
         self.status_loglevel = status_loglevel
         self.offload_optimizer, self.custom_gradients = bool(offload_optimizer), custom_gradients
+        if reuse_tensors is None:  # hivemind's default rule (the flag is informational here)
+            reuse_tensors = bool(offload_optimizer) and not delta_rule_averaging
         self.reuse_tensors = reuse_tensors
         self.delta_rule_averaging = delta_rule_averaging
         self.sync_epoch_when_averaging = sync_epoch_when_averaging

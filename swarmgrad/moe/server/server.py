@@ -549,13 +549,15 @@ def _make_optimizer(
 
 
 @contextlib.contextmanager
-def background_server(*args: Any, shutdown_timeout: float = 30.0, **kwargs: Any) -> Iterator:
+def background_server(*args: Any, shutdown_timeout: float = 5, **kwargs: Any) -> Iterator:
     """``with background_server(expert_cls="ffn", num_experts=4, ...) as info:``
 
     Runs :meth:`Server.create` (``start=True``) in this process (hivemind forks a
     process; swarmgrad needs not) and yields a :class:`PeerInfo` with the server's PeerID
     and multiaddrs, to be used as ``initial_peers`` of a client's DHT or to call the
-    experts directly. The server (and the DHT it started) shut down on exit."""
+    experts directly. The server (and the DHT it started) shut down on exit, its waits
+    bounded by ``shutdown_timeout`` (hivemind's default). Without ``expert_pattern`` or
+    ``expert_uids``, ``num_experts`` experts ``expert.0``, ``expert.1``, ... are served."""
     kwargs["start"] = True
     server = Server.create(*args, **kwargs)
     try:
