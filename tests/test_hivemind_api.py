@@ -461,6 +461,24 @@ def test_training_averager_averages_two_peers_parameters_and_shares_state():
         first.shutdown()
 
 
+def test_tensor_infos_are_checked_and_a_role_adaptive_codec_is_refused_by_name():
+    from swarmgrad.averaging import DecentralizedAverager
+    from swarmgrad.compression import CompressionInfo, Float16Compression, RoleAdaptiveCompression
+    from swarmgrad.dht import DHT
+
+    tensors = [torch.zeros(2), torch.zeros(3)]
+    infos = [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
+    averager = DecentralizedAverager(tensors, DHT(), start=False, prefix="x", tensor_infos=infos)
+    assert averager.get_group_bits(wait=True) == ""
+    with pytest.raises(ValidationError, match=r"tensor_infos\[1\] must be a CompressionInfo"):
+        DecentralizedAverager(tensors, DHT(), start=False, prefix="x", tensor_infos=[infos[0], 1])
+    with pytest.raises(ValidationError, match="an averaging round is sent with one codec"):
+        DecentralizedAverager(
+            tensors, DHT(), start=False, prefix="x", tensor_infos=infos,
+            compression=RoleAdaptiveCompression(parameter=Float16Compression()),
+        )  # fmt: skip
+
+
 def test_training_averager_refuses_what_it_cannot_average():
     from swarmgrad.optim import TrainingAverager
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import math
 import threading
@@ -41,7 +40,6 @@ from swarmgrad.compression import (
     CompressionInfo,
     CompressionType,
     NoCompression,
-    TensorRole,
     get_codec,
 )
 from swarmgrad.dht.dht import DHT
@@ -73,27 +71,10 @@ _EXTRA_OPTIONS = {
 _IGNORED_OPTIONS = {"daemon"}  # hivemind forks a process; nothing is forked here
 
 
-class _TensorRoles(AdaptiveCompressionBase):
-    """``tensor_infos`` (hivemind): each averaged tensor's role, for a role-adaptive codec.
-
-    The all-reduce names a part by the index of its first tensor (``info.key``); this
-    codec puts that tensor's role into the part's info and lets ``inner`` choose."""
-
-    def __init__(self, inner: CompressionBase, roles: Sequence[TensorRole]):
-        self.inner, self.roles = inner, tuple(roles)
-
-    def choose_compression(self, info: CompressionInfo) -> CompressionBase:
-        if isinstance(info.key, int) and 0 <= info.key < len(self.roles):
-            info = dataclasses.replace(info, role=self.roles[info.key])
-        if isinstance(self.inner, AdaptiveCompressionBase):
-            return self.inner.choose_compression(info)
-        return self.inner
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.inner!r}, {len(self.roles)} roles)"
-
-
 def _with_tensor_roles(compression: Any, tensor_infos: Any, tensors: Sequence[torch.Tensor]):
+    """hivemind's ``tensor_infos``: one CompressionInfo per averaged tensor, whose roles
+    steer a role-adaptive codec. swarmgrad's all-reduce sends a round with one codec, so
+    the infos are checked and a fixed codec is kept; an adaptive one is refused by name."""
     infos = list(tensor_infos)
     if len(infos) != len(tensors):
         raise ValidationError(
@@ -104,7 +85,13 @@ def _with_tensor_roles(compression: Any, tensor_infos: Any, tensors: Sequence[to
             raise ValidationError(
                 f"tensor_infos[{i}] must be a CompressionInfo, got {type(info).__name__}"
             )
-    return _TensorRoles(get_codec(compression), [info.role for info in infos])
+    codec = get_codec(compression)
+    if isinstance(codec, AdaptiveCompressionBase):
+        raise ValidationError(
+            f"compression={codec!r} chooses a codec per tensor role, but an averaging round "
+            "is sent with one codec: pass a fixed codec (e.g. Float16Compression())"
+        )
+    return compression
 
 
 class DecentralizedAverager:
