@@ -317,10 +317,37 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines).replace("\\", "\\\\") + "\n"
 
 
+START, END = "<!-- api-table:start -->", "<!-- api-table:end -->"
+
+
+def update_docs(path: pathlib.Path, report: dict) -> None:
+    """Put the status table between the markers of ``path`` (ValueError if absent)."""
+    text = path.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{path} has no {START} ... {END} markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    result = report["result"]
+    summary = (
+        f"Measured by `benchmarks/hivemind_api.py` against hivemind "
+        f"{result['hivemind_version']}: names {result['names']:.1%}, signatures "
+        f"{result['signatures']:.1%}, members {result['members']:.1%} "
+        f"({result['counts']['members_raising_instead']} of the members present raise an "
+        "error naming the replacement).\n\n"
+    )
+    path.write_text(f"{head}{START}\n{summary}{markdown_table(report)}{END}{tail}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=str(DATA), help="the JSON list of hivemind's API")
     parser.add_argument("--markdown", help="also write the per-name status table here")
+    parser.add_argument(
+        "--update-docs",
+        metavar="FILE",
+        help="replace the status table between the api-table markers of FILE "
+        "(docs/hivemind.md)",
+    )
     args = parser.parse_args()
     data = json.loads(pathlib.Path(args.data).read_text())
     report = measure(data)
@@ -340,6 +367,8 @@ def main() -> None:
         print(f"{key:<11} {result[key]:.4f} (target >= {target}: {mark})")
     if args.markdown:
         pathlib.Path(args.markdown).write_text(markdown_table(report))
+    if args.update_docs:
+        update_docs(pathlib.Path(args.update_docs), report)
     print(json.dumps(result))
     sys.stdout.flush()
 
