@@ -329,6 +329,34 @@ def test_relay_and_node_options_are_mapped():
     assert dht._node_kwargs == {"refresh_period": 123.0}
 
 
+def test_every_keyword_hivemind_dht_forwards_is_accepted_and_the_peer_starts(fresh_warnings):
+    """hivemind's DHT passes its keywords on to DHTNode.create and P2P.create: each is
+    accepted here, with hivemind's default value, all together."""
+    import ast
+
+    from swarmgrad.dht import DHT
+
+    data = json.loads((ROOT / "benchmarks/data/hivemind_1.1.12_api.json").read_text())
+    forwarded = {}
+    for member in data["members"]:
+        if member["name"] == "create" and member["class"] in (
+            "hivemind.p2p.P2P",
+            "hivemind.dht.DHTNode",
+        ):
+            for param in member["signature"]:
+                if param["kind"] != "VAR_KEYWORD":
+                    forwarded[param["name"]] = ast.literal_eval(param["default"])
+    # DHT passes these itself (record_validator from record_validators=), as hivemind's does
+    for name in ("record_validator", "p2p", "initial_peers", "client_mode"):
+        forwarded.pop(name)
+    assert len(forwarded) >= 40
+    dht = DHT(start=True, **forwarded)
+    try:
+        assert dht.is_alive() and dht.get_visible_maddrs()
+    finally:
+        dht.shutdown()
+
+
 # ---------------------------------------------------------------------- DHT and DHTNode
 
 

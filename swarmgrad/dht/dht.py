@@ -59,6 +59,9 @@ _NODE_IGNORED = {
 
 
 def _take_hivemind_node_options(kwargs: dict[str, Any]) -> None:
+    for name in ("parallel_rpc", "bootstrap_timeout", "cache_size"):
+        if name in kwargs and kwargs[name] is None:  # hivemind's None: the default
+            del kwargs[name]
     if "refresh_timeout" in kwargs:
         value = kwargs.pop("refresh_timeout")
         if value is not None:
@@ -94,6 +97,12 @@ class DHT:
     initial peers acting as relays. Other keyword arguments go to
     :class:`~swarmgrad.dht.node.DHTNode` (bucket_size, num_replicas, wait_timeout,
     cache_size, ...) or to the peer (max_message_size, dial_timeout, allow_relay, ...).
+
+    hivemind's keywords are accepted too: ``p2p=`` (a peer to run on, kept open at
+    shutdown), and every keyword hivemind forwards to libp2p or to its ``DHTNode``:
+    honoured where swarmgrad has the meaning, otherwise accepted with one warning per
+    keyword and process (:mod:`swarmgrad.net.libp2p_options`, ``docs/hivemind.md``); an
+    unknown keyword is a ``TypeError`` naming it.
 
     ``authority=`` (the authority's public key ``12D3KooW...``, a file holding it, or an
     :class:`~swarmgrad.net.admission.Admission`) makes this a peer of an admission-

@@ -82,7 +82,7 @@ def use_swarmgrad_log_handler(
 TRUE_CONSTANTS = ["TRUE", "1"]
 loglevel = os.getenv("HIVEMIND_LOGLEVEL", "INFO")
 use_colors = os.getenv("HIVEMIND_COLORS", "").upper() in TRUE_CONSTANTS or (
-    not os.getenv("HIVEMIND_COLORS") and sys.stderr.isatty()
+    not os.getenv("HIVEMIND_COLORS") and getattr(sys.stderr, "isatty", lambda: False)()
 )
 always_log_caller = os.getenv("HIVEMIND_ALWAYS_LOG_CALLER", "0").upper() in TRUE_CONSTANTS
 
