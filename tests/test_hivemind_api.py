@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import tomllib
+import warnings
 
 import pytest
 import torch
@@ -272,33 +273,33 @@ def test_step_control_takes_hivemind_positional_fields():
 # ---------------------------------------------------------------------- libp2p keywords
 
 
-@pytest.fixture
-def fresh_warnings():
-    libp2p_options.reset_warnings()
-    yield
-    libp2p_options.reset_warnings()
-
-
-def test_libp2p_only_options_are_warned_once_each_and_the_peer_starts(caplog, fresh_warnings):
+def test_libp2p_only_options_are_warned_each_and_the_peer_starts():
     from swarmgrad.dht import DHT
 
-    with caplog.at_level(logging.WARNING, logger="swarmgrad.net.libp2p_options"):
+    with pytest.warns(UserWarning) as caught:
         dht = DHT(
-            host_maddrs=LOOPBACK, start=True, use_ipfs=True, quic=True, nat_port_map=True,
-            tls=True, auto_nat=False,
+            host_maddrs=LOOPBACK, start=True, use_ipfs=True, quic=True, tls=False,
+            dht_mode="client", auto_nat=True, nat_port_map=False, conn_manager=True,
         )  # fmt: skip
-        try:
-            assert dht.is_alive()
-        finally:
-            dht.shutdown()
-        warned = [r.getMessage() for r in caplog.records]
-        assert len(warned) == 1
-        for name in ("use_ipfs=True", "quic=True", "nat_port_map=True"):
-            assert name in warned[0]
-        assert "tls" not in warned[0] and "auto_nat" not in warned[0]  # what swarmgrad does
-        caplog.clear()
-        DHT(use_ipfs=True)  # not started: the keywords are checked at construction
-        assert not caplog.records  # once per keyword and process
+    try:
+        assert dht.is_alive()
+    finally:
+        dht.shutdown()
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 4  # hivemind's defaults and what swarmgrad does pass silently
+    for message, name in zip(
+        messages, ["dht_mode='client'", "quic=True", "tls=False", "use_ipfs=True"], strict=True
+    ):
+        assert message.startswith(f"DHT: {name} only configures libp2p"), message
+    assert "TLS 1.3" in messages[2] and "initial_peers" in messages[3]  # what to do instead
+
+
+def test_the_same_table_serves_p2p_create_by_name():
+    with pytest.warns(UserWarning, match=r"P2P\.create: use_ipfs=True only configures"):
+        libp2p_options.warn_libp2p_only_options(
+            dict(use_ipfs=True, tls=True, idle_timeout=5, use_auto_relay=True)
+        )
+    assert libp2p_options.LIBP2P_ONLY_OPTIONS["use_ipfs"][0] is False  # hivemind's default
 
 
 def test_an_unknown_keyword_is_a_type_error_naming_it():
@@ -329,7 +330,7 @@ def test_relay_and_node_options_are_mapped():
     assert dht._node_kwargs == {"refresh_period": 123.0}
 
 
-def test_every_keyword_hivemind_dht_forwards_is_accepted_and_the_peer_starts(fresh_warnings):
+def test_every_keyword_hivemind_dht_forwards_is_accepted_and_the_peer_starts():
     """hivemind's DHT passes its keywords on to DHTNode.create and P2P.create: each is
     accepted here, with hivemind's default value, all together."""
     import ast
@@ -350,7 +351,9 @@ def test_every_keyword_hivemind_dht_forwards_is_accepted_and_the_peer_starts(fre
     for name in ("record_validator", "p2p", "initial_peers", "client_mode"):
         forwarded.pop(name)
     assert len(forwarded) >= 40
-    dht = DHT(start=True, **forwarded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # hivemind's defaults ask for nothing to warn about
+        dht = DHT(start=True, **forwarded)
     try:
         assert dht.is_alive() and dht.get_visible_maddrs()
     finally:

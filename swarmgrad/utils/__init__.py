@@ -25,7 +25,7 @@ from swarmgrad.utils.timed_storage import (
 # module itself), imported on first access
 _UPPER = {
     "PerformanceEMA": ("swarmgrad.optim.performance_ema", "PerformanceEMA"),
-    "TensorDescriptor": ("swarmgrad.compression.base", "TensorDescriptor"),
+    "TensorDescriptor": ("swarmgrad.compression.tensor_descr", "TensorDescriptor"),
 }
 
 __all__ = [
