@@ -274,7 +274,8 @@ def measure(data: dict) -> dict:
     member_paths = [f"{e['class']}.{e['name']}" for e in data["members"]]
     albert = None
     if ALBERT.exists():
-        albert = json.loads(ALBERT.read_text()).get("epochs")
+        written = json.loads(ALBERT.read_text())
+        albert = written.get("albert_epochs", written.get("epochs"))
     n_names, n_members = len(data["names"]), len(data["members"])
     return {
         "result": {
