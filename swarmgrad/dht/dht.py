@@ -145,6 +145,7 @@ class DHT:
         self._peer_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _PEER_OPTIONS}
         self._node_kwargs = kwargs
         self._p2p = p2p
+        self._p2p_replica: Any = None
         self.peer: Peer | None = None
         self.node: DHTNode | None = None
         self._ready: concurrent.futures.Future | None = None
@@ -181,11 +182,16 @@ class DHT:
         self._stopped.wait()
 
     async def replicate_p2p(self) -> Any:
-        """A hivemind-style ``P2P`` object over this DHT's peer, for custom protocols
-        (``swarmgrad.p2p``; the peer is shared, not copied: it lives as long as the DHT)."""
+        """A ``swarmgrad.p2p.P2P`` handle on this DHT's peer (the same handle on every
+        call), for custom protocols written the hivemind way; it may be used from the
+        program's own event loop. The peer is shared, not copied: it lives as long as the
+        DHT."""
         from swarmgrad.p2p import P2P  # the compat layer above dht, imported when asked
 
-        return await P2P.replicate(self._running())
+        peer = self._running()
+        if self._p2p_replica is None or self._p2p_replica.peer is not peer:
+            self._p2p_replica = P2P.from_peer(peer)
+        return self._p2p_replica
 
     async def _start(self) -> None:
         from swarmgrad.dht.validation import CompositeValidator
