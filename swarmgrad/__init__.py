@@ -90,7 +90,12 @@ def __getattr__(name: str):
     import importlib
 
     if name in _SUBPACKAGES:
-        return importlib.import_module(f"swarmgrad.{name}")
+        try:
+            return importlib.import_module(f"swarmgrad.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"swarmgrad.{name}":
+                raise  # the subpackage exists but something it imports is missing
+            raise AttributeError(f"module 'swarmgrad' has no attribute {name!r}") from e
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'swarmgrad' has no attribute {name!r}")

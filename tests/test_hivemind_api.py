@@ -656,3 +656,20 @@ def test_the_migration_guide_gives_a_reason_for_every_gap_and_every_libp2p_keywo
     for keyword in libp2p_options.LIBP2P_ONLY:
         assert f"`{keyword}`" in guide, keyword
     assert "<!-- api-table:start -->\nMeasured by" in guide  # the generated table is there
+
+
+def test_conbytes_adds_a_regex_to_pydantic_v1_constrained_bytes():
+    from pydantic import v1
+
+    from swarmgrad.dht.schema import conbytes
+
+    # (this file's annotations are strings: the model is built from real types instead)
+    Record = v1.create_model(
+        "Record", owner=(conbytes(regex=rb".*\[owner:.+\]", max_length=64), ...)
+    )
+
+    assert Record(owner=b"abc[owner:xyz]").owner == b"abc[owner:xyz]"
+    with pytest.raises(v1.ValidationError, match="does not match the pattern"):
+        Record(owner=b"abc")
+    with pytest.raises(v1.ValidationError, match="at most 64"):
+        Record(owner=b"[owner:x]" + b"x" * 64)
