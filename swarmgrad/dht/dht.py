@@ -22,7 +22,7 @@ from swarmgrad.dht.validation import RecordValidatorBase
 from swarmgrad.net.libp2p_options import check_known, take_libp2p_options
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.peer import Peer
-from swarmgrad.utils.errors import PeerUnreachable, ValidationError
+from swarmgrad.utils.errors import DeadlineExceeded, PeerUnreachable, ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class DHT:
         record_validators: Iterable[RecordValidatorBase] = (),
         use_relay: bool = True,
         startup_timeout: float = 60.0,
-        shutdown_timeout: float = 10.0,
+        shutdown_timeout: float = 3,
         daemon: bool = True,  # accepted for hivemind compatibility; nothing is forked
         num_workers: int = 4,  # accepted for hivemind compatibility
         await_ready: bool = True,
@@ -252,7 +252,14 @@ class DHT:
             if owns_peer:  # a peer passed in as p2p= belongs to its creator
                 await peer.shutdown()
 
-        run_coroutine(stop(), timeout=self.shutdown_timeout)
+        try:
+            run_coroutine(stop(), timeout=self.shutdown_timeout)
+        except DeadlineExceeded:  # as hivemind: warn, and stop it the hard way (cancelled)
+            logger.warning(
+                "the DHT did not shut down within shutdown_timeout=%s s; its tasks were "
+                "cancelled",
+                self.shutdown_timeout,
+            )
 
     def is_alive(self) -> bool:
         return self.node is not None
