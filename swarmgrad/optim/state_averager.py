@@ -50,19 +50,20 @@ from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
-__all__ = ["TrainingStateAverager"]
+# hivemind's name for the base class of torch's LR schedulers (programs subclass it)
+LRSchedulerBase = torch.optim.lr_scheduler.LRScheduler
+
+__all__ = ["LRSchedulerBase", "TrainingStateAverager"]
 
 logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
-# hivemind.optim.state_averager's names, which programs import (the ALBERT example takes
-# LRSchedulerBase from here)
+# more of hivemind.optim.state_averager's names, which programs import
 Parameters = Iterable[torch.Tensor]
 ParamGroups = Iterable[dict[str, Any]]
 TorchOptimizer = torch.optim.Optimizer
-LRSchedulerBase = torch.optim.lr_scheduler.LRScheduler
 ZERO_GRAD_SET_TO_NONE_DEFAULT = True  # torch >= 2 clears gradients to None by default
 
 
