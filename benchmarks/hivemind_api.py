@@ -260,6 +260,7 @@ def measure(data: dict) -> dict:
             if instead is not None:
                 member_errors.append((path, instead))
         member_rows.append((path, entry["kind"], status))
+
     # hivemind.p2p (P2P and its members) is another branch's work (swarmgrad/p2p/); the
     # fractions without it say how the rest stands while that package is absent
     def is_p2p(path: str) -> bool:
@@ -346,8 +347,7 @@ def main() -> None:
     parser.add_argument(
         "--update-docs",
         metavar="FILE",
-        help="replace the status table between the api-table markers of FILE "
-        "(docs/hivemind.md)",
+        help="replace the status table between the api-table markers of FILE (docs/hivemind.md)",
     )
     args = parser.parse_args()
     data = json.loads(pathlib.Path(args.data).read_text())

@@ -74,6 +74,18 @@ def test_the_documented_sys_modules_line_also_maps_submodules():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_importing_the_alias_module_is_the_one_line_switch():
+    done = run_python(
+        "import swarmgrad.hivemind_alias\n"
+        "import hivemind, swarmgrad\n"
+        "from hivemind.utils import get_logger, nested_flatten\n"
+        "assert hivemind is swarmgrad and list(nested_flatten([1, (2,)])) == [1, 2]\n"
+        "print(get_logger('x').name)\n"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "swarmgrad.x"
+
+
 def test_a_missing_submodule_is_named_and_an_unaliased_hivemind_is_left_alone():
     done = run_python(
         "import swarmgrad, sys\n"

@@ -256,8 +256,7 @@ class DHT:
             run_coroutine(stop(), timeout=self.shutdown_timeout)
         except DeadlineExceeded:  # as hivemind: warn, and stop it the hard way (cancelled)
             logger.warning(
-                "the DHT did not shut down within shutdown_timeout=%s s; its tasks were "
-                "cancelled",
+                "the DHT did not shut down within shutdown_timeout=%s s; its tasks were cancelled",
                 self.shutdown_timeout,
             )
 
