@@ -83,7 +83,7 @@ def _with_tensor_roles(compression: Any, tensor_infos: Any, tensors: Sequence[to
     for i, info in enumerate(infos):
         if not isinstance(info, CompressionInfo):
             raise ValidationError(
-                f"tensor_infos[{i}] must be a CompressionInfo, got {type(info).__name__}"
+                f"tensor_infos[{i}] is a {type(info).__name__}, not a CompressionInfo"
             )
     codec = get_codec(compression)
     if isinstance(codec, AdaptiveCompressionBase):

@@ -52,7 +52,7 @@ from swarmgrad.moe.server.runtime import Runtime
 from swarmgrad.moe.server.schedulers import SCHEDULER_NAMES, make_scheduler
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.multiaddr import Multiaddr
-from swarmgrad.utils.errors import SwarmgradError, ValidationError
+from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["PeerInfo", "Server", "background_server"]
 
@@ -415,6 +415,8 @@ async def _first_free_uids(node: Any, num_experts: int) -> list[ExpertUID]:
     """``expert.0``, ``expert.1``, ...: the first ``num_experts`` uids no server declared
     (hivemind's choice without an ``expert_pattern``), looked up ten at a time over at most
     ten times as many uids; taken ones fill up what is missing after that, with a warning."""
+    from swarmgrad.utils.errors import SwarmgradError
+
     chosen: list[ExpertUID] = []
     limit = 10 * num_experts
     for start in range(0, limit, 10):
@@ -450,17 +452,20 @@ def _check_uid_source(
         if expert_pattern is not None:
             raise ValidationError("give either expert_uids or expert_pattern, not both")
         return None
-    if num_experts is None:
+    if num_experts is not None and expert_pattern is None:
+        # as hivemind: without a pattern the uids are expert.0, expert.1, ... (the first
+        # ones no server declared yet)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValidationError(f"num_experts must be a positive int, got {num_experts!r}")
+        return _SEQUENTIAL
+
+    if num_experts is None or expert_pattern is None:
         raise ValidationError(
-            "give expert_uids, or num_experts (with an expert_pattern such as "
-            "'expert.[0:32].[0:32]', or without one for expert.0, expert.1, ...)"
+            "give expert_uids, or num_experts together with expert_pattern "
+            "(for example num_experts=8, expert_pattern='expert.[0:32].[0:32]')"
         )
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValidationError(f"num_experts must be a positive int, got {num_experts!r}")
-    if expert_pattern is None:
-        # as hivemind: without a pattern the uids are expert.0, expert.1, ... (the first
-        # ones no server declared yet)
-        return _SEQUENTIAL
     pattern = parse_expert_pattern(expert_pattern)
     if num_experts > pattern.grid_size:
         raise ValidationError(
