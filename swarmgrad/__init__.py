@@ -81,14 +81,17 @@ _SUBPACKAGES = {
     "net",
     "optim",
     "p2p",
-    "proto",
     "utils",
 }
+# hivemind's hivemind.proto: the codec enum programs take from it lives with the codecs
+_RELOCATED_SUBPACKAGES = {"proto": "swarmgrad.compression.proto"}
 
 
 def __getattr__(name: str):
     import importlib
 
+    if name in _RELOCATED_SUBPACKAGES:
+        return importlib.import_module(_RELOCATED_SUBPACKAGES[name])
     if name in _SUBPACKAGES:
         try:
             return importlib.import_module(f"swarmgrad.{name}")
@@ -105,7 +108,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | _SUBPACKAGES)
+    return sorted(set(globals()) | set(_LAZY) | _SUBPACKAGES | set(_RELOCATED_SUBPACKAGES))
 
 
 __all__ = [

@@ -21,11 +21,14 @@ from swarmgrad.utils.timed_storage import (
     get_dht_time,
 )
 
-# hivemind.utils names whose home is a higher layer: (module, attribute or None for the
-# module itself), imported on first access
+# hivemind.utils names whose home is a higher layer: (module, attribute; None for the
+# module itself), looked up by name on first access, never at import. The one place
+# where this bottom layer names code above it, for hivemind programs only.
 _UPPER = {
     "PerformanceEMA": ("swarmgrad.optim.performance_ema", "PerformanceEMA"),
     "TensorDescriptor": ("swarmgrad.compression.tensor_descr", "TensorDescriptor"),
+    "multiaddr": ("swarmgrad.net.multiaddr", None),
+    "crypto": ("swarmgrad.dht.crypto", None),
 }
 
 __all__ = [
@@ -47,18 +50,20 @@ __all__ = [
     "nested_pack",
     "switch_to_uvloop",
     "use_hivemind_log_handler",
-    *_UPPER,
+    *(name for name, (_, attribute) in _UPPER.items() if attribute is not None),
 ]
 
 
 def __getattr__(name: str):
     import importlib
 
-    if name in ("crypto", "multiaddr", "networking", "timed_storage", "mpfuture", "logging"):
+    if name in ("networking", "timed_storage", "mpfuture", "logging"):
         return importlib.import_module(f"swarmgrad.utils.{name}")
     if name not in _UPPER:
         raise AttributeError(f"module 'swarmgrad.utils' has no attribute {name!r}")
     module, attribute = _UPPER[name]
-    value = getattr(importlib.import_module(module), attribute)
+    value = importlib.import_module(module)
+    if attribute is not None:
+        value = getattr(value, attribute)
     globals()[name] = value
     return value

@@ -5,7 +5,8 @@
 so a real hivemind in the same interpreter is never shadowed; after
 ``swarmgrad.install_hivemind_alias()`` (or ``sys.modules["hivemind"] = swarmgrad`` by
 hand) ``import hivemind.utils.networking`` and
-``from hivemind.optim.state_averager import LRSchedulerBase`` give swarmgrad's modules.
+``from hivemind.optim.state_averager import LRSchedulerBase`` give swarmgrad's modules
+(a few from another place: :data:`RELOCATED`).
 
 Without the finder, the ``sys.modules`` line alone would let Python load
 ``swarmgrad/utils/__init__.py`` a second time under the name ``hivemind.utils``: two
@@ -23,6 +24,25 @@ import types
 
 ALIAS = "hivemind"
 TARGET = "swarmgrad"
+
+# hivemind modules whose swarmgrad counterpart lives elsewhere: swarmgrad keeps each in
+# the layer its contents belong to (multiaddrs in net, RSA keys with the DHT's records,
+# the codec enum with the codecs), named here as strings so that this bottom-layer module
+# depends on none of them
+RELOCATED = {
+    "hivemind.utils.multiaddr": "swarmgrad.net.multiaddr",
+    "hivemind.utils.crypto": "swarmgrad.dht.crypto",
+    "hivemind.proto": "swarmgrad.compression.proto",
+}
+
+
+def target_name(fullname: str) -> str:
+    """The swarmgrad module that ``hivemind.X`` names."""
+    for alias, target in RELOCATED.items():
+        if fullname == alias or fullname.startswith(alias + "."):
+            return target + fullname[len(alias) :]
+    return TARGET + fullname[len(ALIAS) :]
+
 
 __all__ = ["HivemindAliasFinder", "install_finder", "install_hivemind_alias"]
 
@@ -50,7 +70,7 @@ class HivemindAliasFinder(importlib.abc.MetaPathFinder):
             return None
         if TARGET not in sys.modules or sys.modules.get(ALIAS) is not sys.modules[TARGET]:
             return None
-        module = importlib.import_module(TARGET + fullname[len(ALIAS) :])
+        module = importlib.import_module(target_name(fullname))
         return importlib.machinery.ModuleSpec(
             fullname, _AliasLoader(module), is_package=hasattr(module, "__path__")
         )

@@ -1,3 +1,0 @@
-"""hivemind's ``hivemind.proto`` path. swarmgrad's wire messages are msgpack dataclasses
-(each protocol's ``protocol.py``), not protobufs; what programs take from here is the
-``runtime_pb2.CompressionType`` enum they pass to servers and serializers."""
