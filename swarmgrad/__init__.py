@@ -11,7 +11,12 @@ from swarmgrad.utils.errors import (
     SwarmgradError,
     ValidationError,
 )
+from swarmgrad.utils.module_alias import install_finder as _install_alias_finder
+from swarmgrad.utils.module_alias import install_hivemind_alias
 from swarmgrad.utils.timeutils import get_dht_time
+
+# inert until ``hivemind`` is aliased to swarmgrad (install_hivemind_alias, or by hand)
+_install_alias_finder()
 
 __version__ = "0.1.0"
 
@@ -60,22 +65,50 @@ _LAZY = {
     "PowerSGDGradientAverager": "swarmgrad.optim",
     "SiteOptimizer": "swarmgrad.optim",
     "TrainingStateAverager": "swarmgrad.optim",
+    "TrainingAverager": "swarmgrad.optim",
 }
+
+# subpackages reachable as attributes after a bare ``import swarmgrad``, as in hivemind
+# (``hivemind.moe.get_experts(...)``), each imported on first use
+_SUBPACKAGES = {
+    "averaging",
+    "cli",
+    "compression",
+    "dht",
+    "integrations",
+    "moe",
+    "monitor",
+    "net",
+    "optim",
+    "p2p",
+    "utils",
+}
+# hivemind's hivemind.proto: the codec enum programs take from it lives with the codecs
+_RELOCATED_SUBPACKAGES = {"proto": "swarmgrad.compression.proto"}
 
 
 def __getattr__(name: str):
+    import importlib
+
+    if name in _RELOCATED_SUBPACKAGES:
+        return importlib.import_module(_RELOCATED_SUBPACKAGES[name])
+    if name in _SUBPACKAGES:
+        try:
+            return importlib.import_module(f"swarmgrad.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"swarmgrad.{name}":
+                raise  # the subpackage exists but something it imports is missing
+            raise AttributeError(f"module 'swarmgrad' has no attribute {name!r}") from e
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'swarmgrad' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | _SUBPACKAGES | set(_RELOCATED_SUBPACKAGES))
 
 
 __all__ = [
@@ -95,6 +128,7 @@ __all__ = [
     "ValidationError",
     "__version__",
     "get_dht_time",
+    "install_hivemind_alias",
     # ``from swarmgrad import *`` brings these in too, importing their packages then
     *_LAZY,
 ]

@@ -159,7 +159,8 @@ def test_a_malformed_pattern_makes_the_process_exit_with_code_2():
     [
         (["--num-experts", "2", "--expert_pattern", "ffn..[0:4]"], "dimension 0 is ''"),
         (["--expert-uids", "e.0", "--expert-cls", "nonexistent"], "unknown expert class"),
-        (["--num-experts", "2"], "give --expert-uids, or --num-experts together with"),
+        # --num-experts alone is valid, as in hivemind (expert.0, expert.1, ...)
+        (["--expert-cls", "nop"], "give --expert-uids, or --num-experts"),
         (["--expert-uids", "e.0", "--custom-module-path", "/nonexistent.py"], "does not exist"),
     ],
 )

@@ -150,7 +150,8 @@ def test_checkpoints_survive_a_restart(tmp_path):
     [
         (dict(num_experts=2, expert_pattern="ffn.[0:4"), r"dimension 0 is '\[0:4'"),
         (dict(num_experts=5, expert_pattern="ffn.[0:4]"), "only 4 uids, fewer than num_experts=5"),
-        (dict(num_experts=2), "give expert_uids, or num_experts together with expert_pattern"),
+        # num_experts alone is valid, as in hivemind (expert.0, expert.1, ...): nothing is not
+        (dict(), "give expert_uids, or num_experts"),
         (dict(expert_uids=["ffn.0"], expert_pattern="ffn.[0:4]"), "not both"),
         (dict(expert_uids=["ffn.0", "ffn.0"]), "duplicates"),
         (dict(expert_uids=["ffn"]), "not an expert uid"),

@@ -18,6 +18,7 @@ Where things are:
 * :mod:`.gossip` — ``protocol``, ``rules`` (dpwa mixing), ``averager``.
 """
 
+from swarmgrad.averaging import control  # hivemind.averaging.control
 from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
 from swarmgrad.averaging.allreduce.load_balancing import load_balance_peers
 from swarmgrad.averaging.allreduce.partition import TensorPartContainer, TensorPartReducer
@@ -40,6 +41,7 @@ from swarmgrad.averaging.state.transfer import StateDownloader, StateSharing, lo
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 
 __all__ = [
+    "control",
     "AdaptiveTimeouts",
     "AggregationRule",
     "CenteredClip",

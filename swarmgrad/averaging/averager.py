@@ -40,8 +40,10 @@ from swarmgrad.compression import CompressionBase, CompressionInfo, CompressionT
 from swarmgrad.dht.dht import DHT
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.checks import positive_seconds
+from swarmgrad.utils.compat import unsupported
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
+from swarmgrad.utils.serializer import MSGPackSerializer
 
 __all__ = ["DecentralizedAverager"]
 
@@ -153,6 +155,7 @@ class DecentralizedAverager:
         allow_state_sharing: bool | None = None,
         declare_state_period: float = 30,
         client_mode: bool | None = None,
+        daemon: bool = True,  # hivemind forks a process; nothing is forked here
         shutdown_timeout: float = 5,
         **kwargs: Any,
     ):
@@ -308,6 +311,52 @@ class DecentralizedAverager:
         """Leave out of our groups whoever ``other`` has banned, as well as our own bans
         (both averagers running): see :meth:`.robust.offenders.OffenderLog.follow`."""
         self._running().offenders.follow(other._running().offenders)
+
+    # hivemind's names around the averager's process and servicer: see docs/hivemind.md
+
+    serializer = MSGPackSerializer
+
+    @property
+    def request_timeout(self) -> float:
+        return self.options.request_timeout
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Block until the averager started by ``run_in_background(await_ready=False)``
+        runs (raises what its start raised)."""
+        if self._starting is None:
+            raise ValidationError("the averager was not started: call run_in_background()")
+        self._starting.result(timeout)
+
+    def run(self) -> None:
+        """hivemind's averager process body. Nothing is forked here: this starts the
+        averager (unless started) and returns; it runs on the loop thread."""
+        if self._core is None and (self._starting is None or self._starting.done()):
+            self.run_in_background(await_ready=True)
+
+    _SERVICER = (
+        "the averager registers its handlers on the DHT's peer when it starts "
+        "(swarmgrad.averaging protocols); a custom protocol is a ServicerBase added with "
+        "dht.peer.add_servicer(...)"
+    )
+    add_p2p_handlers = unsupported(
+        "DecentralizedAverager.add_p2p_handlers", _SERVICER, is_async=True
+    )
+    remove_p2p_handlers = unsupported(
+        "DecentralizedAverager.remove_p2p_handlers", _SERVICER, is_async=True
+    )
+    get_stub = unsupported(
+        "DecentralizedAverager.get_stub",
+        "averager RPCs are internal; call peers with dht.peer.call(peer_id, name, request)",
+    )
+    rpc_join_group = unsupported("DecentralizedAverager.rpc_join_group", _SERVICER, is_async=True)
+    rpc_aggregate_part = unsupported(
+        "DecentralizedAverager.rpc_aggregate_part", _SERVICER, is_async=True
+    )
+    rpc_download_state = unsupported(
+        "DecentralizedAverager.rpc_download_state",
+        "state is served by StateSharing on the peer; load it with load_state_from_peers()",
+        is_async=True,
+    )
 
     def get_group_bits(self, wait: bool = True) -> str | concurrent.futures.Future:
         """This peer's current Moshpit cell (its group bits). ``wait=False`` returns a

@@ -35,6 +35,7 @@ from swarmgrad.averaging.allreduce.types import MAX_WEIGHT
 from swarmgrad.averaging.matchmaking.group_bits import check_round_tag
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = ["AveragingStage", "StepControl"]
 
@@ -85,9 +86,12 @@ class StepControl(concurrent.futures.Future):
 
     def __init__(
         self,
-        *,
         scheduled_time: float,
-        weight: float,
+        deadline: float | None = None,
+        allow_retries: bool = True,
+        weight: float = 1.0,
+        data_for_gather: Any = None,
+        *,
         require_trigger: bool = False,
         round_tag: str = "",
         expected_group_size: int | None = None,
@@ -97,6 +101,14 @@ class StepControl(concurrent.futures.Future):
         if not isinstance(scheduled_time, int | float) or not math.isfinite(scheduled_time):
             raise ValidationError(f"scheduled_time must be a finite DHT time, got {scheduled_time}")
         self._scheduled_time = float(scheduled_time)
+        if deadline is not None and (
+            not isinstance(deadline, int | float) or not math.isfinite(deadline)
+        ):
+            raise ValidationError(f"deadline must be a finite DHT time or None, got {deadline}")
+        # hivemind's fields, kept for programs that build or read a StepControl themselves
+        self._deadline = None if deadline is None else float(deadline)
+        self._allow_retries = bool(allow_retries)
+        self._data_for_gather = data_for_gather
         self._weight = check_weight(weight)
         self._send_pacer: SendPacer | None = None
         self.require_trigger = bool(require_trigger)
@@ -156,6 +168,51 @@ class StepControl(concurrent.futures.Future):
         if value is not None and not isinstance(value, SendPacer):
             raise ValidationError(f"send_pacer must be a SendPacer or None, got {value!r}")
         self._send_pacer = value
+
+    @property
+    def deadline(self) -> float | None:
+        """The DHT time by which the step must end (None: no deadline of its own)."""
+        return self._deadline
+
+    @property
+    def allow_retries(self) -> bool:
+        return self._allow_retries
+
+    @property
+    def data_for_gather(self) -> Any:
+        return self._data_for_gather
+
+    def get_timeout(self) -> float | None:
+        """Seconds left until the deadline (0 when past; None without a deadline)."""
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - get_dht_time())
+
+    def attach(self, trigger: concurrent.futures.Future, cancel: concurrent.futures.Future):
+        """Tie this step to two futures, as hivemind's averager does across processes:
+        ``trigger`` done allows the all-reduce, ``cancel`` done cancels the step."""
+        trigger.add_done_callback(lambda _: self.allow_allreduce())
+        cancel.add_done_callback(lambda _: self.cancel())
+
+    @staticmethod
+    def reset_backend() -> None:
+        """hivemind resets its inter-process futures here; swarmgrad has none."""
+
+    async def wait_for_trigger(self) -> None:
+        """On the averager's loop: until :meth:`allow_allreduce` is called."""
+        await self._wait_for_trigger()
+
+    async def wait_for_cancel(self) -> None:
+        """On any loop: until the step is cancelled (forever if it ends otherwise)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.add_done_callback(
+            lambda f: loop.call_soon_threadsafe(
+                lambda: done.done() or done.set_result(f.cancelled())
+            )
+        )
+        if not await done:
+            await loop.create_future()  # finished without a cancel: nothing to wait for
 
     @property
     def stage(self) -> AveragingStage:

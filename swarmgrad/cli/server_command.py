@@ -78,6 +78,8 @@ DEFAULTS: dict[str, Any] = {
     "access_token": None,
     "num_handlers": None,
     "increase_file_limit": False,
+    "use_relay": True,
+    "use_auto_relay": False,
     "log_level": "INFO",
 }
 
@@ -144,6 +146,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     option("identity-path", help="ed25519 key file (created if missing): a stable PeerID")
     option("authority-key", help="admit only peers with tokens from this authority (12D3KooW...)")
     option("access-token", help="this server's token file (swarmgrad authority issue)")
+    group.add_argument(
+        "--no-relay",
+        "--no_relay",
+        dest="use_relay",
+        action="store_false",
+        help="do not use relays (hivemind's flag; a client-mode server then cannot be called)",
+    )
+    option("use-auto-relay", action="store_true", help="use relays among the initial peers")
     option("update-period", type=float, help="seconds between re-declarations in the DHT")
     option("expiration", type=float, help="lifetime of a declaration (default 2 x period, >= 60)")
     group = parser.add_argument_group("misc")
@@ -213,6 +223,9 @@ def server_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
         host_maddrs=settings["host_maddrs"],
         announce_maddrs=settings["announce_maddrs"],
         identity_path=settings["identity_path"],
+        # hivemind's relay flags, mapped by swarmgrad.net.libp2p_options in the DHT
+        **({} if settings["use_relay"] else {"use_relay": False}),
+        **({"use_auto_relay": True} if settings["use_auto_relay"] else {}),
         **admission_kwargs(settings["authority_key"], settings["access_token"]),
     )
 
@@ -235,10 +248,11 @@ def check_settings(settings: dict[str, Any]) -> None:
             f"unknown expert class {settings['expert_cls']!r}; known: {sorted(name_to_block)} "
             "(add more with --custom-module-path)"
         )
-    if settings["expert_uids"] is None and (
-        settings["num_experts"] is None or settings["expert_pattern"] is None
-    ):
-        raise ValueError("give --expert-uids, or --num-experts together with --expert-pattern")
+    if settings["expert_uids"] is None and settings["num_experts"] is None:
+        raise ValueError(
+            "give --expert-uids, or --num-experts (with --expert-pattern, or without one for "
+            "expert.0, expert.1, ... as in hivemind)"
+        )
     if settings["metrics_period"] < 0:
         raise ValueError(f"--metrics-period must be 0 or more, got {settings['metrics_period']}")
     run_id = settings["metrics_run_id"]

@@ -89,7 +89,7 @@ class RoleAdaptiveCompression(AdaptiveCompressionBase):
         parameter: CompressionBase | None = None,
         gradient: CompressionBase | None = None,
         optimizer: CompressionBase | None = None,
-        default: CompressionBase | None = None,
+        default: CompressionBase | None = NoCompression(),
     ):
         self.default = _check_codec("default", default if default is not None else NoCompression())
         given = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -66,18 +67,24 @@ def serialize_torch_tensor(
     compression_type: CompressionType | str | CompressionBase = CompressionType.NONE,
     info: CompressionInfo | None = None,
     allow_inplace: bool = False,
+    **kwargs: Any,
 ) -> SerializedTensor:
     """Encode ``tensor`` with the given codec (a :class:`CompressionType`, its name, or any
-    codec instance such as an adaptive one). ``info`` defaults to one built from the tensor.
+    codec instance such as an adaptive one). ``info`` defaults to one built from the tensor
+    and ``kwargs`` (``key=``, ``role=``: :meth:`CompressionInfo.from_tensor`'s, as in
+    hivemind).
     """
     codec = get_codec(compression_type)
     if info is None:
-        info = CompressionInfo.from_tensor(tensor)
+        info = CompressionInfo.from_tensor(tensor, **kwargs)
+    elif kwargs:
+        raise TypeError(f"give either info= or its fields {sorted(kwargs)}, not both")
     return codec.compress(tensor, info, allow_inplace=allow_inplace)
 
 
-def deserialize_torch_tensor(serialized: SerializedTensor) -> torch.Tensor:
+def deserialize_torch_tensor(serialized_tensor: SerializedTensor) -> torch.Tensor:
     """Decode a payload with the codec it names, restoring dtype, shape and requires_grad."""
+    serialized = serialized_tensor
     if not isinstance(serialized, SerializedTensor):
         raise CodecError(f"expected a SerializedTensor, got {type(serialized).__name__}")
     return _BY_WIRE_NAME[serialized.codec].extract(serialized)

@@ -80,6 +80,40 @@ class CompressionType(enum.StrEnum):
     BFLOAT16 = "bfloat16"
     BLOCKWISE_4BIT = "blockwise_4bit"
 
+    # hivemind's ``runtime_pb2.CompressionType`` is a protobuf enum: its class methods
+    # answer here with hivemind's numbers (the wire keeps swarmgrad's names)
+
+    @classmethod
+    def Name(cls, number: int) -> str:
+        """The codec name of hivemind's protobuf ``number``."""
+        if number not in _HIVEMIND_NUMBERS:
+            raise ValueError(f"{number!r} is not a hivemind CompressionType number")
+        return _HIVEMIND_NUMBERS[number]
+
+    @classmethod
+    def Value(cls, name: str) -> int:
+        """hivemind's number of the codec ``name`` (KeyError for swarmgrad-only ones)."""
+        numbers = {v: k for k, v in _HIVEMIND_NUMBERS.items()}
+        return numbers[cls[name].name]
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return list(_HIVEMIND_NUMBERS.values())
+
+    @classmethod
+    def items(cls) -> list[tuple[str, int]]:
+        return [(name, number) for number, name in _HIVEMIND_NUMBERS.items()]
+
+
+_HIVEMIND_NUMBERS = {
+    0: "NONE",
+    1: "MEANSTD_16BIT",
+    2: "FLOAT16",
+    3: "QUANTILE_8BIT",
+    4: "UNIFORM_8BIT",
+    5: "BLOCKWISE_8BIT",
+}
+
 
 def _collect_dtypes() -> dict[str, torch.dtype]:
     names = [

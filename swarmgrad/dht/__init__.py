@@ -5,6 +5,8 @@ asyncio node it runs; validators protect records (ed25519 ownership, pydantic sc
 Nothing here imports torch, so a DHT-only peer stays small.
 """
 
+from typing import Any
+
 from swarmgrad.dht.crypto import Ed25519SignatureValidator, RSASignatureValidator
 from swarmgrad.dht.dht import DHT
 from swarmgrad.dht.node import DHTNode
@@ -13,12 +15,15 @@ from swarmgrad.dht.schema import SchemaValidator
 from swarmgrad.dht.storage import DictionaryDHTValue, ValueWithExpiration
 from swarmgrad.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 
+DHTValue = Any  # hivemind's name: any msgpack-able value stored in the DHT
+
 __all__ = [
     "DHT",
     "DHTID",
     "CompositeValidator",
     "DHTNode",
     "DHTRecord",
+    "DHTValue",
     "DictionaryDHTValue",
     "Ed25519SignatureValidator",
     "RSASignatureValidator",

@@ -158,18 +158,38 @@ class DHTNode(DHTServicer):
     @classmethod
     async def create(
         cls,
-        peer: Peer,
+        peer: Peer | None = None,
         initial_peers: Iterable[str | Multiaddr] = (),
         *,
+        p2p: Any = None,
         bootstrap_timeout: float = 30.0,
         **kwargs: Any,
     ) -> DHTNode:
         """Start a node on ``peer`` and join the swarm through ``initial_peers``
-        (PeerUnreachable naming them all if none answers)."""
-        node = cls(peer, **kwargs)
+        (PeerUnreachable naming them all if none answers).
+
+        As in hivemind, the peer may come as ``p2p=`` (a Peer, or a ``swarmgrad.p2p.P2P``
+        around one); with neither, a new peer is started on loopback and the node shuts it
+        down with itself."""
+        owns_peer = False
+        if peer is not None and p2p is not None:
+            raise ValidationError("give the node's peer once: peer or p2p=, not both")
+        if peer is None and p2p is not None:
+            peer = p2p if isinstance(p2p, Peer) else getattr(p2p, "peer", None)
+            if not isinstance(peer, Peer):
+                raise TypeError(f"p2p must be a swarmgrad Peer or P2P, got {type(p2p).__name__}")
+        if peer is None:
+            peer, owns_peer = await Peer.create(), True
+        try:
+            node = cls(peer, **kwargs)
+        except BaseException:
+            if owns_peer:
+                await peer.shutdown()
+            raise
+        node._owns_peer = owns_peer
         node._register_handlers()
         try:
-            await node._bootstrap(list(initial_peers), bootstrap_timeout)
+            await node._bootstrap(list(initial_peers or ()), bootstrap_timeout)
         except BaseException:
             await node.shutdown()
             raise
@@ -240,6 +260,20 @@ class DHTNode(DHTServicer):
             for _, future, *_ in waiters:
                 future.cancel()
         self._pending_finds.clear()
+        if getattr(self, "_owns_peer", False):  # started by create() without a peer
+            await self.peer.shutdown()
+
+    def get_visible_maddrs(self, latest: bool = False) -> list[Multiaddr]:
+        """The multiaddrs others can reach this node's peer at (hivemind's name)."""
+        return self.peer.get_visible_maddrs()
+
+    async def get_many_by_id(self, key_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        """hivemind looks records up by bare DHTID; swarmgrad's lookups need the key itself
+        (records are validated against it), so this asks for ``get_many``."""
+        raise NotImplementedError(
+            "DHTNode.get_many_by_id: swarmgrad looks records up by key, not by bare DHTID; "
+            "use await node.get_many(keys, latest=...)"
+        )
 
     def _spawn(self, coro: Any) -> None:
         if self._closed:

@@ -299,3 +299,30 @@ def _refuse(record: DHTRecord, reason: str) -> bool:
     key = key if len(key) <= 80 else key[:77] + "..."
     logger.debug(f"Refusing a DHT record under key {key} (schema): {reason}")
     return False
+
+
+def conbytes(*, regex: bytes | None = None, **kwargs: Any) -> type:
+    """hivemind's ``conbytes``: pydantic v1's constrained bytes (``min_length``,
+    ``max_length``, ``strict``, ...), plus a ``regex`` the whole value must match from its
+    start (as hivemind's ``BytesWithPublicKey`` uses). A pydantic.v1 type, for the
+    pydantic.v1 models hivemind programs write."""
+    from pydantic import v1 as pydantic_v1
+
+    base = pydantic_v1.conbytes(**kwargs)
+    if regex is None:
+        return base
+    pattern = re.compile(regex)
+
+    class ConstrainedBytesWithRegex(base):  # type: ignore[valid-type,misc]
+        @classmethod
+        def __get_validators__(cls):
+            yield from super().__get_validators__()
+            yield cls._match_regex
+
+        @classmethod
+        def _match_regex(cls, value: bytes) -> bytes:
+            if pattern.match(value) is None:
+                raise ValueError(f"{value[:40]!r} does not match the pattern {regex!r}")
+            return value
+
+    return ConstrainedBytesWithRegex

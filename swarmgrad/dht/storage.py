@@ -39,11 +39,12 @@ import itertools
 import math
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from swarmgrad.dht.routing import DHTID
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import StorageLimitExceeded, ValidationError
+from swarmgrad.utils.timed_storage import ValueWithExpiration  # hivemind.utils' too
 from swarmgrad.utils.timeutils import DHTExpiration, get_dht_time
 
 __all__ = [
@@ -69,13 +70,6 @@ _INF = math.inf
 # tuples never compare keys, and a record remembers the number of its current entry:
 # an entry whose number differs is stale and skipped.
 _sequence = itertools.count()
-
-
-class ValueWithExpiration(NamedTuple, Generic[ValueType]):
-    """A value and the time it expires; unpacks as ``value, expiration_time``."""
-
-    value: ValueType
-    expiration_time: DHTExpiration
 
 
 def _against_existing(

@@ -149,7 +149,7 @@ _VALIDATED: set[bytes] = set()  # id bytes that passed __post_init__
 _INTERNED: dict[bytes, PeerID] = {}  # id bytes -> the PeerID object made for them
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, init=False)
 class PeerID:
     """A peer's id: a multihash of its public key, in libp2p's format.
 
@@ -158,6 +158,10 @@ class PeerID:
     """
 
     _bytes: bytes
+
+    def __init__(self, peer_id_bytes: bytes):  # hivemind's parameter name
+        object.__setattr__(self, "_bytes", peer_id_bytes)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         raw = self._bytes

@@ -35,6 +35,19 @@ _MAX_ADDRESS_LENGTH = 1024
 _MAX_DNS_NAME_LENGTH = 253
 
 
+class ProtocolRegistry:
+    """The multiaddr protocols swarmgrad parses (py-multiaddr's ``registry`` argument,
+    which hivemind's ``Multiaddr`` takes, names a pluggable set; swarmgrad's is fixed)."""
+
+    protocols = (*_HOST_PROTOCOLS, "tcp", "p2p", "p2p-circuit")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.protocols
+
+
+DEFAULT_REGISTRY = ProtocolRegistry()
+
+
 def _check_ip4(value: str) -> str:
     try:
         return str(ipaddress.IPv4Address(value))
@@ -128,7 +141,20 @@ class Multiaddr:
     peer_id: PeerID | None
     relay: Multiaddr | None
 
-    def __init__(self, address: str | Multiaddr, *, allow_port_zero: bool = False):
+    def __init__(
+        self,
+        addr: str | Multiaddr,
+        *,
+        registry: ProtocolRegistry = DEFAULT_REGISTRY,
+        allow_port_zero: bool = False,
+    ):
+        # ``addr`` and ``registry`` are hivemind's names (its Multiaddr is py-multiaddr's)
+        address = addr
+        if registry is not DEFAULT_REGISTRY:
+            raise ValidationError(
+                "swarmgrad parses a fixed set of multiaddr protocols "
+                f"({', '.join(DEFAULT_REGISTRY.protocols)}); custom registries are not supported"
+            )
         if isinstance(address, Multiaddr):
             parsed = address
             if parsed.port == 0 and not allow_port_zero:

@@ -526,14 +526,12 @@ class ServicerBase:
             fn = getattr(self, attr)
             if not callable(fn):
                 continue
-            handlers.append(
-                Handler(self._handler_name(attr, namespace), fn, *_handler_kind(fn))
-            )
+            handlers.append(Handler(self._handler_name(attr, namespace), fn, *_handler_kind(fn)))
         return handlers
 
     def _handler_name(self, attr: str, namespace: str | None) -> str:
         if namespace is None and self.rpc_prefix:
-            return f"{self.rpc_prefix}.{attr[len('rpc_'):]}"
+            return f"{self.rpc_prefix}.{attr[len('rpc_') :]}"
         prefix = f"{namespace}." if namespace else ""
         return f"{prefix}{type(self).__name__}.{attr}"
 

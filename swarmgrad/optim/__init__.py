@@ -19,6 +19,7 @@ from swarmgrad.optim.progress import (
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.site import SiteError, SiteMismatch, SiteOptimizer
 from swarmgrad.optim.state_averager import TrainingStateAverager
+from swarmgrad.optim.training_averager import TrainingAverager
 
 __all__ = [
     "DiLoCoOptimizer",
@@ -38,6 +39,7 @@ __all__ = [
     "SiteMismatch",
     "SiteOptimizer",
     "TrainingProgressSchema",
+    "TrainingAverager",
     "TrainingStateAverager",
     "aggregate_progress",
 ]

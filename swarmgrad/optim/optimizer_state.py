@@ -51,8 +51,10 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str,
     ]
 
 
-def dump_optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict, list[torch.Tensor]]:
-    """``(metadata, tensors)``: msgpack-able metadata and the state's tensors."""
+def dump_optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict, list[torch.Tensor]]:
+    """``(metadata, tensors)``: msgpack-able metadata and the state's tensors (``opt``:
+    hivemind's parameter name)."""
+    optimizer = opt
     layout, scalars, tensors = [], [], []
     for index, key, value in _state_items(optimizer):
         if isinstance(value, torch.Tensor):
@@ -135,11 +137,12 @@ def _same_kind(ours: Any, theirs: Any) -> bool:
 
 
 @torch.no_grad()
-def initialize_optimizer_state_(optimizer: torch.optim.Optimizer) -> None:
+def initialize_optimizer_state_(opt: torch.optim.Optimizer) -> None:
     """Create the optimizer's lazily made state (``exp_avg`` etc.) without changing any
     parameter: one step on zero gradients whose effect is then undone, and step counters
     set back to zero. Every peer's state then has the same layout from the start, which
-    averaging and state download need."""
+    averaging and state download need. (``opt``: hivemind's parameter name.)"""
+    optimizer = opt
     params = [p for p in optimizer_parameters(optimizer) if p.requires_grad]
     if all(optimizer.state.get(p) for p in params):
         return

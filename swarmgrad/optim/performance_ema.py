@@ -35,7 +35,7 @@ class PerformanceEMA:
     that step, so its samples count for the others at once.)
     """
 
-    def __init__(self, alpha: float = 0.1, eps: float = 1e-20):
+    def __init__(self, alpha: float = 0.1, eps: float = 1e-20, paused: bool = False):
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha <= 1:
             raise ValidationError(f"performance_ema_alpha must be in (0, 1], got {alpha!r}")
         self.alpha, self.eps = float(alpha), eps
@@ -44,7 +44,7 @@ class PerformanceEMA:
         self._timestamp = time.perf_counter()
         self._measuring = False  # whether an interval ending now would be a real measurement
         self._lower_bound = 0.0  # the rate of the first, start-up-inflated interval
-        self._paused = False
+        self._paused = bool(paused)  # hivemind's flag: start paused (updates not counted)
         self._lock = threading.Lock()
 
     def update(self, task_size: float, interval: float | None = None) -> float:

@@ -27,6 +27,7 @@ age) would be off by more than ``report_tolerance`` of the target, and at least 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -201,6 +202,14 @@ class ProgressTracker:
 
     def is_alive(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    def run(self) -> None:
+        """hivemind's thread body: start (unless running) and block until
+        :meth:`shutdown` is called from another thread."""
+        if self._task is None:
+            self.start()
+        with contextlib.suppress(concurrent.futures.CancelledError):
+            self._task.result()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop, and tell the others this peer left (a None record, its goodbye)."""

@@ -60,6 +60,18 @@ logger = logging.getLogger(__name__)
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
+# more of hivemind.optim.state_averager's names, which programs import
+Parameters = Iterable[torch.Tensor]
+ParamGroups = Iterable[dict[str, Any]]
+TorchOptimizer = torch.optim.Optimizer
+ZERO_GRAD_SET_TO_NONE_DEFAULT = True  # torch >= 2 clears gradients to None by default
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, flat_metadata: Any, flat_tensors: Any):
+    """Load a state from :func:`dump_optimizer_state` into ``optimizer`` in place
+    (hivemind's name; ValidationError naming the first mismatch, before any change)."""
+    load_optimizer_state_(optimizer, flat_metadata, list(flat_tensors))
+
 
 class TrainingStateAverager(DecentralizedAverager):
     """See the module docstring. Arguments (hivemind's names):
@@ -85,7 +97,7 @@ class TrainingStateAverager(DecentralizedAverager):
         initialize_optimizer: bool | None = None,
         offload_optimizer: bool = False,
         custom_gradients: bool = False,
-        reuse_tensors: bool = False,
+        reuse_tensors: bool | None = None,
         sync_epoch_when_averaging: bool = False,
         delta_rule_averaging: bool = False,
         average_opt_statistics: Sequence[str] = (),
@@ -107,6 +119,8 @@ class TrainingStateAverager(DecentralizedAverager):
             average_opt_statistics = (average_opt_statistics,)
         self.status_loglevel = status_loglevel
         self.offload_optimizer, self.custom_gradients = bool(offload_optimizer), custom_gradients
+        if reuse_tensors is None:  # hivemind's default rule (the flag is informational here)
+            reuse_tensors = bool(offload_optimizer) and not delta_rule_averaging
         self.reuse_tensors = reuse_tensors
         self.delta_rule_averaging = delta_rule_averaging
         self.sync_epoch_when_averaging = sync_epoch_when_averaging

@@ -45,6 +45,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from swarmgrad.net.identity import Identity, PeerID
+from swarmgrad.net.libp2p_options import warn_libp2p_only_options
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.peer import Peer
 from swarmgrad.net.rpc import DEFAULT_MAX_MESSAGE_SIZE, RPCContext
@@ -55,7 +56,6 @@ from swarmgrad.p2p.datastructures import (
     PeerInfo,
     StreamInfo,
 )
-from swarmgrad.p2p.options import warn_libp2p_only_options
 from swarmgrad.p2p.streams import StreamReader, StreamWriter
 from swarmgrad.utils.errors import (
     IdentityFileError,
@@ -163,7 +163,7 @@ class P2P:
         (``False``: do not relay for others), ``use_relay`` (``False``: no relays at
         all), ``persistent_conn_max_msg_size`` (largest message) and
         ``startup_timeout``. The libp2p-only options are accepted with a warning each
-        (see :data:`swarmgrad.p2p.options.LIBP2P_ONLY_OPTIONS`).
+        (see :data:`swarmgrad.net.libp2p_options.LIBP2P_ONLY_OPTIONS`).
         """
         warn_libp2p_only_options(
             dict(

@@ -21,6 +21,7 @@ from swarmgrad.moe.dht_records import get_experts_info_on_node
 from swarmgrad.moe.expert_uid import ExpertInfo, ExpertUID
 from swarmgrad.moe.protocol import check_batch
 from swarmgrad.net.identity import PeerID
+from swarmgrad.utils.compat import unsupported
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine
 
@@ -42,6 +43,14 @@ class RemoteExpert(nn.Module):
     :param forward_timeout: seconds for one forward call, retries included
     :param backward_timeout: seconds for one backward call, retries included
     """
+
+    stub = property(
+        unsupported(
+            "RemoteExpert.stub",
+            "calls go over the DHT peer's RPC ('moe.forward'/'moe.backward'); call the expert "
+            "as a module, or read expert.info for its uid and servers",
+        )
+    )
 
     def __init__(
         self,

@@ -9,6 +9,7 @@ declares them in the DHT and checkpoints them.
 - :mod:`.checkpoints`: checkpoints on disk; :mod:`.server`: ``Server`` ties them together.
 """
 
+from swarmgrad.moe.dht_records import declare_experts
 from swarmgrad.moe.server.checkpoints import CheckpointSaver, load_experts, store_experts
 from swarmgrad.moe.server.connection_handler import ConnectionHandler
 from swarmgrad.moe.server.dht_handler import ExpertDeclarer, generate_free_uids
@@ -36,6 +37,8 @@ __all__ = [
     "Server",
     "TaskPool",
     "background_server",
+    "declare_experts",
+    "get_experts",
     "generate_free_uids",
     "generate_uids_from_pattern",
     "get_linear_schedule_with_warmup",
@@ -46,3 +49,13 @@ __all__ = [
     "register_expert_class",
     "store_experts",
 ]
+
+
+def __getattr__(name: str):
+    # hivemind.moe.server.get_experts: the client's lookup, imported on first use (the
+    # client package imports the server's schemas, not the other way round)
+    if name == "get_experts":
+        from swarmgrad.moe.client.expert import get_experts
+
+        return get_experts
+    raise AttributeError(f"module 'swarmgrad.moe.server' has no attribute {name!r}")

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from swarmgrad.compression.serialized import CompressionType
-from swarmgrad.moe.expert_uid import ExpertUID, check_uid
+from swarmgrad.moe.dht_records import get_experts_info_on_node
+from swarmgrad.moe.expert_uid import UID_DELIMITER, ExpertUID, check_uid
 from swarmgrad.moe.protocol import BatchTensorDescriptor
 from swarmgrad.moe.server.activation_cache import ActivationCache
 from swarmgrad.moe.server.checkpoints import (
@@ -96,16 +97,16 @@ class Server:
         self,
         dht: Any,
         module_backends: Mapping[ExpertUID, ModuleBackend],
-        *,
-        num_connection_handlers: int | None = None,
-        update_period: float = 30.0,
+        num_connection_handlers: int | None = 1,
+        update_period: float = 30,
         expiration: float | None = None,
+        start: bool = False,
         checkpoint_dir: str | Path | None = None,
+        *,
         checkpoint_interval: float | None = None,
         keep_checkpoints: int = DEFAULT_KEEP,
         stats_report_interval: float | None = None,
         activation_cache_bytes: int = DEFAULT_ACTIVATION_CACHE_BYTES,
-        start: bool = False,
         **kwargs: Any,
     ):
         if kwargs:
@@ -145,6 +146,7 @@ class Server:
                 keep_checkpoints,
             )
         self.ready = threading.Event()
+        self._stopped = threading.Event()
         self._owns_dht = False
         self._state = "new"  # -> "started" -> "stopped"
         self._state_lock = threading.Lock()
@@ -234,7 +236,12 @@ class Server:
             )
             logger.info("DHT peer running on %s", [str(m) for m in dht.get_visible_maddrs()])
         try:
-            if expert_uids is None:
+            if expert_uids is None and pattern is _SEQUENTIAL:
+                expert_uids = dht.run_coroutine(
+                    lambda _dht, node: _first_free_uids(node, num_experts)
+                )
+                logger.info("no expert_pattern: serving %s", ", ".join(expert_uids))
+            elif expert_uids is None:
                 logger.info("choosing %d expert uids from pattern %r", num_experts, expert_pattern)
                 expert_uids = dht.run_coroutine(
                     lambda _dht, node: generate_free_uids(node, num_experts, pattern)
@@ -293,6 +300,15 @@ class Server:
         except BaseException:
             self.shutdown()
             raise
+
+    def run(self) -> None:
+        """hivemind's thread body: start serving (unless started) and block until
+        :meth:`shutdown` is called from another thread. ``start=True`` (or
+        :meth:`run_in_background`) serves without blocking."""
+        if self._state == "new":
+            self.run_in_background(await_ready=True)
+        while self._state == "started":
+            self._stopped.wait(1.0)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Withdraw the experts from the DHT, stop the handlers and the device thread
@@ -355,6 +371,7 @@ class Server:
         with self._state_lock:
             previous, self._state = self._state, "stopped"
         self.ready.clear()
+        self._stopped.set()
         if previous == "new" and self._owns_dht:
             self.dht.shutdown()
         return previous == "started"
@@ -391,6 +408,32 @@ class Server:
 # ---------------------------------------------------------------------- helpers
 
 
+_SEQUENTIAL = object()  # _check_uid_source's answer for "expert.0, expert.1, ..."
+
+
+async def _first_free_uids(node: Any, num_experts: int) -> list[ExpertUID]:
+    """``expert.0``, ``expert.1``, ...: the first ``num_experts`` uids no server declared
+    (hivemind's choice without an ``expert_pattern``), looked up ten at a time over at most
+    ten times as many uids; taken ones fill up what is missing after that, with a warning."""
+    from swarmgrad.utils.errors import SwarmgradError
+
+    chosen: list[ExpertUID] = []
+    limit = 10 * num_experts
+    for start in range(0, limit, 10):
+        candidates = [f"expert{UID_DELIMITER}{i}" for i in range(start, min(limit, start + 10))]
+        try:
+            infos = await get_experts_info_on_node(node, candidates)
+        except (SwarmgradError, OSError) as e:
+            logger.warning("could not check which experts already exist: %r", e)
+            infos = [None] * len(candidates)
+        chosen += [uid for uid, info in zip(candidates, infos, strict=True) if info is None]
+        if len(chosen) >= num_experts:
+            return chosen[:num_experts]
+    logger.warning("only %d of expert.0 .. expert.%d are free", len(chosen), limit - 1)
+    taken = [f"expert{UID_DELIMITER}{i}" for i in range(limit)]
+    return (chosen + [uid for uid in taken if uid not in chosen])[:num_experts]
+
+
 def _check_uid_source(
     num_experts: int | None, expert_uids: Sequence[str] | None, expert_pattern: str | None
 ):
@@ -409,6 +452,13 @@ def _check_uid_source(
         if expert_pattern is not None:
             raise ValidationError("give either expert_uids or expert_pattern, not both")
         return None
+    if num_experts is not None and expert_pattern is None:
+        # as hivemind: without a pattern the uids are expert.0, expert.1, ... (the first
+        # ones no server declared yet)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValidationError(f"num_experts must be a positive int, got {num_experts!r}")
+        return _SEQUENTIAL
+
     if num_experts is None or expert_pattern is None:
         raise ValidationError(
             "give expert_uids, or num_experts together with expert_pattern "
@@ -503,13 +553,15 @@ def _make_optimizer(
 
 
 @contextlib.contextmanager
-def background_server(*args: Any, shutdown_timeout: float = 30.0, **kwargs: Any) -> Iterator:
+def background_server(*args: Any, shutdown_timeout: float = 5, **kwargs: Any) -> Iterator:
     """``with background_server(expert_cls="ffn", num_experts=4, ...) as info:``
 
     Runs :meth:`Server.create` (``start=True``) in this process (hivemind forks a
     process; swarmgrad needs not) and yields a :class:`PeerInfo` with the server's PeerID
     and multiaddrs, to be used as ``initial_peers`` of a client's DHT or to call the
-    experts directly. The server (and the DHT it started) shut down on exit."""
+    experts directly. The server (and the DHT it started) shut down on exit, its waits
+    bounded by ``shutdown_timeout`` (hivemind's default). Without ``expert_pattern`` or
+    ``expert_uids``, ``num_experts`` experts ``expert.0``, ``expert.1``, ... are served."""
     kwargs["start"] = True
     server = Server.create(*args, **kwargs)
     try:
