@@ -68,6 +68,7 @@ def codecs_for(tensors: Sequence[torch.Tensor], codec: CompressionType) -> list[
     """``codec`` for floating-point tensors, none for the others (token ids, masks): lossy
     codecs are for activations. The codecs are deterministic, so the same tensor sent
     twice (forward, then backward) decodes to the same values on the server."""
+    codec = _codec(codec, "compression", ValidationError)
     return [codec if t.is_floating_point() else CompressionType.NONE for t in tensors]
 
 
@@ -186,6 +187,11 @@ class ForwardRequest(_Addressed):
     inputs: tuple[torch.Tensor, ...]
     compression: CompressionType = CompressionType.NONE
 
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "compression", _codec(self.compression, "compression", ValidationError)
+        )
+
     def encode(self) -> dict[str, Any]:
         return {
             **self._head(),
@@ -206,6 +212,11 @@ class BackwardRequest(_Addressed):
     inputs: tuple[torch.Tensor, ...]
     grad_outputs: tuple[torch.Tensor, ...]
     compression: CompressionType = CompressionType.NONE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "compression", _codec(self.compression, "compression", ValidationError)
+        )
 
     def encode(self) -> dict[str, Any]:
         return {
