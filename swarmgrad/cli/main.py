@@ -10,6 +10,7 @@ from swarmgrad.cli import (
     demo_command,
     dht_command,
     monitor_command,
+    serve_stage_command,
     server_command,
     train_command,
 )
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     dht_command.add_parser(commands)
     server_command.add_parser(commands)
+    serve_stage_command.add_parser(commands)
     train_command.add_parser(commands)
     monitor_command.add_parser(commands)
     demo_command.add_parser(commands)
