@@ -48,10 +48,12 @@ class PipelineSwarm:
         return f"pipe{next(_names)}"
 
     def serve(self, pipeline, stage, num_stages, module, width, *, lr=0.0, servicer=None,
-              update_period=2.0, cache_bytes=1 << 26, **backend_kwargs) -> StageServer:  # fmt: skip
+              update_period=2.0, cache_bytes=1 << 26, backend=None,
+              **backend_kwargs) -> StageServer:  # fmt: skip
         dht = DHT(start=True, initial_peers=self.addrs)
         self.dhts.append(dht)
-        backend = make_backend(f"{pipeline}.{stage}", module, width, lr, **backend_kwargs)
+        if backend is None:
+            backend = make_backend(f"{pipeline}.{stage}", module, width, lr, **backend_kwargs)
         server = StageServer(
             dht,
             pipeline,

@@ -124,6 +124,8 @@ class PipelineCaller:
         ]
         self.infos: list[StageInfo | None] = [None] * num_stages
         self.stats: Counter[str] = Counter()
+        # the server of each stage's latest forward hop (for logs, demos and tests)
+        self.last_route: list[PeerID | None] = [None] * num_stages
         self._servers: list[dict[PeerID, StageRecord]] = [{} for _ in range(num_stages)]
         self._read_at = [-float("inf")] * num_stages
 
@@ -220,7 +222,9 @@ class PipelineCaller:
             check_outputs(outputs, info.outputs_schema, batch_size, what)
             return outputs
 
-        return await self._hop(stage, "forward", attempt, batch_size)
+        outputs, server = await self._hop(stage, "forward", attempt, batch_size)
+        self.last_route[stage] = server
+        return outputs, server
 
     async def backward(
         self,
