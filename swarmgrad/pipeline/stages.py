@@ -33,7 +33,14 @@ from swarmgrad.moe.protocol import BatchTensorDescriptor
 from swarmgrad.moe.server import ModuleBackend
 from swarmgrad.utils.errors import ValidationError
 
-__all__ = ["StageModule", "StageSpec", "load_stage_module", "make_stage_backend", "split_stages"]
+__all__ = [
+    "StageModule",
+    "StageModuleError",
+    "StageSpec",
+    "load_stage_module",
+    "make_stage_backend",
+    "split_stages",
+]
 
 _SAMPLE_BATCH = 2
 
