@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 
 import pytest
@@ -259,3 +260,36 @@ def test_eight_bit_activations_stay_close_to_exact_ones(swarm):
     assert not torch.equal(out, out_ref)
     torch.testing.assert_close(out, out_ref, atol=0.05, rtol=0.05)
     torch.testing.assert_close(x.grad, x_ref.grad, atol=0.05, rtol=0.05)
+
+
+def test_concurrent_micro_batches_from_several_threads_all_get_their_own_results(swarm):
+    name = swarm.new_name()
+    stages = local_stages()[:2]
+    for _ in range(2):
+        swarm.serve(name, 0, 2, copy.deepcopy(stages[0]), 4)
+    swarm.serve(name, 1, 2, copy.deepcopy(stages[1]), 8)
+    pipe = swarm.pipeline(name, 2, timeout=30)
+    errors = []
+
+    def trainer(seed):
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(5):
+                x = torch.randn(3, 4, generator=generator, requires_grad=True)
+                out = pipe(x)
+                out.square().sum().backward()
+                x_ref, out_ref = reference(stages, x)
+                out_ref.square().sum().backward()
+                torch.testing.assert_close(out, out_ref)
+                torch.testing.assert_close(x.grad, x_ref.grad)
+        except Exception as e:  # reported below, with the thread's seed
+            errors.append((seed, e))
+
+    threads = [threading.Thread(target=trainer, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert pipe.stats["forward_hops"] == pipe.stats["backward_hops"] == 40
+    assert pipe.stats["dropped"] == 0
