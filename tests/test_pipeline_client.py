@@ -78,6 +78,8 @@ def test_micro_batches_spread_over_the_servers_of_a_stage(swarm):
         torch.testing.assert_close(pipe(x), reference(stages, x)[1])
     counts = [s.forward_requests for s in first]
     assert sum(counts) == 12 and min(counts) >= 2, counts
+    # the hop deadline adapted from the initial 30 s to the measured (millisecond) hops
+    assert pipe.caller.routers[0].hop_deadline() == pipe.caller.options.routing.min_deadline
 
 
 class WrongShapeServicer(StageServicer):

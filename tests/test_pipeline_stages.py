@@ -3,6 +3,9 @@ don't chain, naming the boundary; building stage backends; loading stage modules
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +95,28 @@ def test_broken_stage_modules_are_refused_naming_file_and_function(tmp_path):
     broken.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(StageModuleError, match="failed to import: RuntimeError: boom"):
         load_stage_module(broken)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    return subprocess.run(
+        [sys.executable, "-m", "swarmgrad", "serve-stage", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_serve_stage_refuses_a_split_that_does_not_chain_before_joining(tmp_path):
+    bad = tmp_path / "bad_stages.py"
+    bad.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def make_stages():\n    return [nn.Linear(4, 8), nn.Linear(6, 2)]\n"
+        "def sample_input(batch_size):\n    return torch.zeros(batch_size, 4)\n"
+    )
+    done = run_cli("--module", str(bad), "--pipeline", "p", "--stage", "0")
+    assert done.returncode == 2, done.stderr
+    assert "stages 0 and 1 do not chain" in done.stderr
+    done = run_cli("--module", str(MODULE), "--pipeline", "p", "--stage", "3")
+    assert done.returncode == 2 and "--stage must be in [0, 3), got 3" in done.stderr
