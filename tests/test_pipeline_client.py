@@ -14,7 +14,7 @@ from pipeline_helpers import PipelineSwarm
 from torch import nn
 
 from swarmgrad.pipeline import protocol
-from swarmgrad.pipeline.protocol import ForwardAnswer, ForwardRequest
+from swarmgrad.pipeline.protocol import BackwardRequest, ForwardAnswer, ForwardRequest
 from swarmgrad.pipeline.server import StageServicer
 from swarmgrad.utils.errors import DeadlineExceeded, RemoteError, ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine
@@ -226,6 +226,11 @@ def test_servers_refuse_bad_inputs_and_other_stages_naming_them(swarm):
     with pytest.raises(RemoteError, match=f"serves stage 0 of pipeline '{name}', not stage 1"):
         call(ForwardRequest(name, 1, (torch.zeros(3, 4),)))
     assert call(ForwardRequest(name, 0, (torch.zeros(3, 4),)))["outputs"]
+    nan_grads = BackwardRequest(name, 0, (torch.zeros(3, 4),), (torch.full((3, 8), float("nan")),))
+    with pytest.raises(RemoteError, match=r"grad_outputs of stage 0 .*\[0\]: holds NaN"):
+        run_coroutine(
+            peer.call(server.dht.peer_id, protocol.BACKWARD, nan_grads.encode(), timeout=5)
+        )
     # the trainer checks its own inputs against the stage's schema: refused locally, no retry
     with pytest.raises(ValidationError, match=r"inputs of stage 0 .*expected shape"):
         pipe(torch.zeros(3, 7))

@@ -108,9 +108,11 @@ class StageServicer(ServicerBase):
         check_batch(
             message.grad_outputs, backend.outputs_schema, f"grad_outputs of {name}", batch_size
         )
-        for i, grad in enumerate(message.grad_outputs):
-            if not all_finite(grad):  # would reach the shared weights through the step
-                raise ValidationError(f"grad_outputs of {name}[{i}]: holds NaN or Inf values")
+        # one caller's NaN or Inf would reach the shared weights through the step
+        for what, tensors in (("inputs", message.inputs), ("grad_outputs", message.grad_outputs)):
+            for i, tensor in enumerate(tensors):
+                if tensor.is_floating_point() and not all_finite(tensor):
+                    raise ValidationError(f"{what} of {name}[{i}]: holds NaN or Inf values")
         grads = await backend.backward_pool.submit_task(
             *message.inputs, *message.grad_outputs, size=batch_size
         )
