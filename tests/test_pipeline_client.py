@@ -234,6 +234,8 @@ def test_servers_refuse_bad_inputs_and_other_stages_naming_them(swarm):
     # the trainer checks its own inputs against the stage's schema: refused locally, no retry
     with pytest.raises(ValidationError, match=r"inputs of stage 0 .*expected shape"):
         pipe(torch.zeros(3, 7))
+    with pytest.raises(ValidationError, match="has 5000 samples, more than the stage's max_batch"):
+        pipe(torch.zeros(5000, 4))
     assert pipe.stats["failed"] == 0
 
 

@@ -213,6 +213,11 @@ class PipelineCaller:
         async def attempt(server: PeerID, timeout: float) -> tuple[torch.Tensor, ...]:
             info = await self.stage_info(stage, server, timeout)
             protocol.check_batch(inputs, info.args_schema, self._what("inputs", stage))
+            if batch_size > info.max_batch_size:  # every server of the stage would refuse it
+                raise ValidationError(
+                    f"{self._what('a micro-batch', stage)} has {batch_size} samples, more than "
+                    f"the stage's max_batch_size of {info.max_batch_size}; send smaller ones"
+                )
             request = ForwardRequest(self.pipeline, stage, tuple(inputs), self.options.compression)
             reply = await self.peer.call(
                 server, protocol.FORWARD, request.encode(), timeout=timeout
