@@ -15,6 +15,7 @@ The stage modules come from ``make_backend(stage)``, a function returning a fres
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from swarmgrad.moe.server import ModuleBackend
 from swarmgrad.net.identity import PeerID
 from swarmgrad.pipeline import protocol
 from swarmgrad.pipeline.protocol import StageRecord
-from swarmgrad.pipeline.rebalance import Move, RebalanceOptions, Rebalancer
+from swarmgrad.pipeline.rebalance import Move, RebalanceOptions, Rebalancer, plan_move
 from swarmgrad.pipeline.server import StageServer, StageServerOptions
 from swarmgrad.pipeline.training import StageAverager, StageTrainingOptions
 from swarmgrad.utils.errors import ValidationError
@@ -141,6 +142,23 @@ class StagePeer:
             return None
         move = self.rebalancer.decide(now, loads)
         if move is not None and move.from_stage == self.stage:
+            # Peers read the DHT at different moments: two of one stage could each see
+            # themselves as the one to move. After a random pause, the plan must still
+            # name this peer on fresh records (a peer that moved meanwhile has withdrawn
+            # its record, so the stage's count is current). This narrows the race; it
+            # does not close it (see docs/pipeline.md).
+            time.sleep(random.uniform(0.0, min(2.0, self.rebalancer.options.interval / 4)))
+            fresh = self.dht.run_coroutine(
+                lambda _dht, node: read_stage_loads(node, self.pipeline, self.num_stages)
+            )
+            again = plan_move(fresh, self.rebalancer.options.hysteresis)
+            if again is None or (again.peer, again.from_stage, again.to_stage) != (
+                move.peer,
+                move.from_stage,
+                move.to_stage,
+            ):
+                logger.info("rebalancing: the planned move changed on fresh records; staying")
+                return None
             self.move_to(move.to_stage)
             self.rebalancer.moved(time.monotonic())
             self.moves.append(move)
