@@ -22,7 +22,7 @@ def test_the_slowest_peer_of_the_best_served_stage_moves_to_the_bottleneck():
     # 3/2/2/1 peers per stage, equal speeds: the last stage is the bottleneck
     stages = [{"a": 10.0, "b": 10.0, "c": 9.0}, {"d": 10.0, "e": 10.0}, {"f": 10.0, "g": 10.0},
               {"h": 10.0}]  # fmt: skip
-    move = plan_move(stages, hysteresis=0.2)
+    move = plan_move(stages, hysteresis=0.2, tie_tolerance=0.0)
     # c's estimated speed on stage 3: 9 x (stage 3's mean 10 / stage 0's mean 29 / 3)
     assert move == Move("c", 0, 3, throughput_before=10.0, throughput_after=10.0 + 270 / 29)
 
@@ -159,3 +159,11 @@ def test_plan_is_the_same_for_every_random_peer_order():
     stages = [{f"s{i}p{j}": rng.uniform(1, 5) for j in range(rng.randint(1, 4))} for i in range(4)]
     moves = {plan_move([dict(reversed(list(p.items()))) for p in stages]), plan_move(stages)}
     assert len(moves) == 1
+
+
+def test_peers_within_the_tie_tolerance_of_the_slowest_tie_and_the_smallest_id_moves():
+    stages = [{"b": 10.0, "a": 10.5, "c": 12.0}, {"d": 5.0}]
+    assert plan_move(stages, 0.2, tie_tolerance=0.1).peer == "a"  # a and b tie
+    assert plan_move(stages, 0.2, tie_tolerance=0.0).peer == "b"  # b is strictly slowest
+    with pytest.raises(ValidationError, match="tie_tolerance"):
+        RebalanceOptions(tie_tolerance=-1)

@@ -137,8 +137,15 @@ def test_a_peer_of_the_best_served_stage_moves_to_the_bottleneck(swarm):
             loads = peers[0].dht.run_coroutine(lambda _d, node: read_stage_loads(node, name, 2))
             if sum(len(s) for s in loads) == 3 and all(v > 0 for s in loads for v in s.values()):
                 break
-        moves = [peer.check_rebalance() for peer in peers]
-        moved = [p for p, m in zip(peers, moves, strict=True) if m is not None]
+        # peers read the records at slightly different moments and may each see the
+        # other as the one to move: checks repeat (as every interval does) until one moves
+        moved = []
+        for round_ in range(10):
+            now = time.monotonic() + round_  # past the interval each round
+            moves = [peer.check_rebalance(now) for peer in peers]
+            moved = [p for p, m in zip(peers, moves, strict=True) if m is not None]
+            if moved:
+                break
         assert len(moved) == 1 and moves[2] is None
         mover = moved[0]
         assert mover.stage == 1 and mover.moves[0].from_stage == 0
@@ -157,3 +164,31 @@ def test_a_peer_of_the_best_served_stage_moves_to_the_bottleneck(swarm):
     finally:
         for peer in peers:
             peer.shutdown()
+
+
+def test_of_two_peers_claiming_to_leave_one_stage_at_once_exactly_one_wins(swarm):
+    name = swarm.new_name()
+    options = StagePeerOptions(training=None, rebalance=RebalanceOptions(interval=1.0))
+    peers = []
+    for _ in range(2):
+        dht = DHT(start=True, initial_peers=swarm.addrs)
+        swarm.dhts.append(dht)
+        peers.append(
+            StagePeer(
+                dht, name, 2, 0, lambda s: make_backend(f"{name}.{s}", nn.Linear(4, 4), 4), options
+            )
+        )
+    results = [None, None]
+
+    def claim(i):
+        results[i] = peers[i]._claim_move(0)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(results) == [False, True]
+    winner = results.index(True)
+    assert peers[winner]._claim_move(0)  # its claim holds for it
+    assert not peers[1 - winner]._claim_move(0)  # and still excludes the other

@@ -14,6 +14,7 @@ The stage modules come from ``make_backend(stage)``, a function returning a fres
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import threading
@@ -30,6 +31,7 @@ from swarmgrad.pipeline.rebalance import Move, RebalanceOptions, Rebalancer, pla
 from swarmgrad.pipeline.server import StageServer, StageServerOptions
 from swarmgrad.pipeline.training import StageAverager, StageTrainingOptions
 from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = ["StagePeer", "StagePeerOptions", "read_stage_loads"]
 
@@ -143,15 +145,16 @@ class StagePeer:
         move = self.rebalancer.decide(now, loads)
         if move is not None and move.from_stage == self.stage:
             # Peers read the DHT at different moments: two of one stage could each see
-            # themselves as the one to move. After a random pause, the plan must still
-            # name this peer on fresh records (a peer that moved meanwhile has withdrawn
-            # its record, so the stage's count is current). This narrows the race; it
-            # does not close it (see docs/pipeline.md).
-            time.sleep(random.uniform(0.0, min(2.0, self.rebalancer.options.interval / 4)))
+            # themselves as the one to move. Only the peer whose claim on its stage
+            # holds in the DHT moves, and only if fresh records still name it.
+            if not self._claim_move(move.from_stage):
+                logger.info("rebalancing: another peer of stage %d is moving", move.from_stage)
+                return None
             fresh = self.dht.run_coroutine(
                 lambda _dht, node: read_stage_loads(node, self.pipeline, self.num_stages)
             )
-            again = plan_move(fresh, self.rebalancer.options.hysteresis)
+            options = self.rebalancer.options
+            again = plan_move(fresh, options.hysteresis, options.tie_tolerance)
             if again is None or (again.peer, again.from_stage, again.to_stage) != (
                 move.peer,
                 move.from_stage,
@@ -164,6 +167,25 @@ class StagePeer:
             self.moves.append(move)
             return move
         return None
+
+    def _claim_move(self, stage: int) -> bool:
+        """Claim the right to leave ``stage`` for a while: a DHT record under
+        ``"<pipeline>.moving.<stage>"``; when several peers claim at once, the record
+        with the latest expiration wins, and each reads back whether it is its own."""
+        key, me = f"{self.pipeline}.moving.{stage}", self.dht.peer_id.to_base58()
+        hold = max(30.0, 2 * self.rebalancer.options.interval)
+        expiration = get_dht_time() + hold + random.uniform(0.0, 1.0)  # ties are unlikely
+
+        async def claim(_dht: Any, node: Any) -> bool:
+            current = await node.get(key, latest=True)
+            if current is not None and current.value != me:
+                return False  # someone else's claim still holds
+            await node.store(key, me, expiration)
+            await asyncio.sleep(0.5)  # let concurrent claims land, then see who won
+            found = await node.get(key, latest=True)
+            return found is not None and found.value == me
+
+        return bool(self.dht.run_coroutine(claim))
 
     def move_to(self, stage: int) -> None:
         """Serve ``stage`` from now on, with its state taken from its peers."""

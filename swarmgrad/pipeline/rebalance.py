@@ -8,7 +8,10 @@ bottleneck. Every peer reads the same DHT records and runs the same deterministi
 - the *bottleneck* is the stage with the least total throughput (an empty stage has 0);
 - the *donor* is the stage with the most total throughput among those with at least two
   peers (a stage is never left empty), the bottleneck excluded;
-- the donor's *least needed* peer, the slowest one (ties: the smallest id), moves;
+- the donor's *least needed* peer, the slowest one, moves; peers within
+  ``tie_tolerance`` (a fraction) of the slowest count as tied and the smallest id among
+  them is chosen, so that measurement noise between two similar peers does not make
+  peers that read the records at different moments name different movers;
 - only if the pipeline's estimated throughput, the minimum over stages, grows by more
   than ``hysteresis`` (a fraction): moves cost a state download and some lost work, so
   marginal gains and measurement noise must not make peers oscillate.
@@ -44,10 +47,12 @@ class RebalanceOptions:
 
     interval: float = 60.0
     hysteresis: float = 0.2
+    tie_tolerance: float = 0.1
 
     def __post_init__(self) -> None:
         positive_seconds("interval", self.interval)
         non_negative_number("hysteresis", self.hysteresis)
+        non_negative_number("tie_tolerance", self.tie_tolerance)
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,9 @@ def _mean_rate(peers: Mapping[Hashable, float]) -> float | None:
     return math.fsum(measured) / len(measured) if measured else None
 
 
-def plan_move(stages: StageLoads, hysteresis: float = 0.2) -> Move | None:
+def plan_move(
+    stages: StageLoads, hysteresis: float = 0.2, tie_tolerance: float = 0.1
+) -> Move | None:
     """The one move that most helps the pipeline, or None (see the module docstring)."""
     _check(stages)
     if len(stages) < 2:
@@ -119,7 +126,9 @@ def plan_move(stages: StageLoads, hysteresis: float = 0.2) -> Move | None:
         return None
     donor = max(donors, key=lambda i: (totals[i], -i))
     measured = [(rate, str(peer), peer) for peer, rate in stages[donor].items() if rate > 0]
-    rate, _, peer = min(measured, key=lambda item: (item[0], item[1]))
+    slowest = min(rate for rate, _, _ in measured)
+    tied = [item for item in measured if item[0] <= slowest * (1 + tie_tolerance)]
+    rate, _, peer = min(tied, key=lambda item: item[1])
     donor_mean, target_mean = _mean_rate(stages[donor]), _mean_rate(stages[bottleneck])
     estimate = rate if target_mean is None else rate * target_mean / donor_mean
     after = list(totals)
@@ -150,7 +159,7 @@ class Rebalancer:
         if not self.due(now):
             return None
         self.next_check = now + self.options.interval
-        move = plan_move(stages, self.options.hysteresis)
+        move = plan_move(stages, self.options.hysteresis, self.options.tie_tolerance)
         if move is None or move.peer != self.me:
             return None
         return move
