@@ -152,14 +152,19 @@ class SlowForward(SlowWhenGradEnabled):
 def test_late_forward_answers_are_dropped_and_the_hop_retried(swarm):
     name = swarm.new_name()
     stages = local_stages()[:2]
-    slow = swarm.serve(name, 0, 2, SlowForward(copy.deepcopy(stages[0]), 1.0), 4)
+    slow = swarm.serve(name, 0, 2, SlowForward(copy.deepcopy(stages[0]), 3.0), 4)
     swarm.serve(name, 0, 2, copy.deepcopy(stages[0]), 4)
     swarm.serve(name, 1, 2, copy.deepcopy(stages[1]), 8)
     pipe = swarm.pipeline(
         name,
         2,
         timeout=20,
-        routing={"initial_deadline": 0.4, "ban_seconds": 0.01, "max_ban_seconds": 0.01},
+        routing={
+            "initial_deadline": 0.5,
+            "min_deadline": 0.3,
+            "ban_seconds": 0.01,
+            "max_ban_seconds": 0.01,
+        },
     )
     for _ in range(20):
         x = torch.randn(2, 4)
@@ -173,7 +178,7 @@ def test_late_backward_answers_are_dropped_and_gradients_applied_once(swarm):
     name = swarm.new_name()
     stages = local_stages()[:2]
     slow = swarm.serve(
-        name, 0, 2, SlowWhenGradEnabled(copy.deepcopy(stages[0]), 1.0), 4, cache_bytes=0
+        name, 0, 2, SlowWhenGradEnabled(copy.deepcopy(stages[0]), 3.0), 4, cache_bytes=0
     )
     swarm.serve(name, 0, 2, copy.deepcopy(stages[0]), 4, cache_bytes=0)
     swarm.serve(name, 1, 2, copy.deepcopy(stages[1]), 8)
@@ -181,7 +186,12 @@ def test_late_backward_answers_are_dropped_and_gradients_applied_once(swarm):
         name,
         2,
         timeout=20,
-        routing={"initial_deadline": 0.5, "ban_seconds": 0.01, "max_ban_seconds": 0.01},
+        routing={
+            "initial_deadline": 0.5,
+            "min_deadline": 0.3,
+            "ban_seconds": 0.01,
+            "max_ban_seconds": 0.01,
+        },
     )
     for _ in range(20):
         x = torch.randn(2, 4, requires_grad=True)
