@@ -73,11 +73,12 @@ def test_micro_batches_spread_over_the_servers_of_a_stage(swarm):
     first = [swarm.serve(name, 0, 2, copy.deepcopy(stages[0]), 4) for _ in range(2)]
     swarm.serve(name, 1, 2, copy.deepcopy(stages[1]), 8)
     pipe = swarm.pipeline(name, 2, timeout=20)
-    for _ in range(12):
+    for _ in range(24):
         x = torch.randn(2, 4)
         torch.testing.assert_close(pipe(x), reference(stages, x)[1])
     counts = [s.forward_requests for s in first]
-    assert sum(counts) == 12 and min(counts) >= 2, counts
+    # equal servers: fewer than 4 of 24 on one of them has a chance of 3e-4
+    assert sum(counts) == 24 and min(counts) >= 4, counts
     # the hop deadline adapted from the initial 30 s to the measured (millisecond) hops
     assert pipe.caller.routers[0].hop_deadline() == pipe.caller.options.routing.min_deadline
 

@@ -72,7 +72,8 @@ def test_a_stage_server_killed_mid_micro_batch_is_routed_around():
             processes[ids.index(victim)].send_signal(signal.SIGKILL)
             processes[ids.index(victim)].wait(10)
             loss.backward()  # goes to the survivor, which recomputes the forward
-            assert pipe.stats["failed"] >= 1 and pipe.stats["backward_hops"] == 12
+            assert pipe.stats["failed"] + pipe.stats["late"] >= 1
+            assert pipe.stats["backward_hops"] == 12
             for _ in range(6):
                 micro_batch().backward()
             assert pipe.stats["dropped"] == 0 and pipe.stats["micro_batches"] == 10
