@@ -11,6 +11,7 @@ from swarmgrad.cli import (
     dht_command,
     identity_command,
     monitor_command,
+    serve_stage_command,
     server_command,
     train_command,
 )
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     dht_command.add_parser(commands)
     server_command.add_parser(commands)
+    serve_stage_command.add_parser(commands)
     train_command.add_parser(commands)
     monitor_command.add_parser(commands)
     demo_command.add_parser(commands)

@@ -1,0 +1,223 @@
+"""Stage training: the peers of one stage keep their replicas together.
+
+Each stage server steps its own optimizer after every backward batch, exactly as an
+expert server does (the pipeline is trained in *local-updates* mode: no peer waits for
+another before stepping). Left alone the replicas of a stage would drift apart, so every
+``average_period`` seconds the peers of a stage average their parameters with the
+swarm's :class:`~swarmgrad.averaging.DecentralizedAverager` under the stage's own
+prefix (``"<pipeline>.stage.<i>"``): each stage is a small collaborative swarm, and the
+averagers of different stages never meet.
+
+The averaging is applied as a delta: the parameters are copied out under the backend's
+lock, averaged while the server keeps serving (and stepping), and then each parameter
+moves by ``averaged - copied``, so the steps taken during the round are kept.
+
+The same averager shares the stage's state with peers that join the stage (a new peer,
+or one that rebalancing moved here): :meth:`StageAverager.load_state_from_peers`
+downloads parameters and optimizer state with the averagers' existing state download.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarmgrad.averaging import DecentralizedAverager
+from swarmgrad.moe.server import ModuleBackend
+from swarmgrad.pipeline.protocol import stage_key
+from swarmgrad.utils.checks import positive_seconds
+from swarmgrad.utils.errors import ValidationError
+
+__all__ = ["StageAverager", "StageTrainingOptions"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageTrainingOptions:
+    """``average_period``: seconds between averaging rounds of a stage's peers;
+    ``averaging_timeout``: how long one round may look for a group and run;
+    ``min_matchmaking_time``: how long a round gathers peers;
+    ``state_timeout``: how long a joining peer waits for the stage's state."""
+
+    average_period: float = 30.0
+    averaging_timeout: float = 30.0
+    min_matchmaking_time: float = 5.0
+    state_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "average_period",
+            "averaging_timeout",
+            "min_matchmaking_time",
+            "state_timeout",
+        ):
+            positive_seconds(name, getattr(self, name))
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> tuple[Any, list[torch.Tensor]]:
+    """The optimizer's state as (msgpack-able skeleton, tensors)."""
+    if optimizer is None:
+        return None, []
+    tensors: list[torch.Tensor] = []
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value.detach().cpu())
+            return {"__tensor__": len(tensors) - 1}
+        if isinstance(value, dict):
+            return [[k, strip(v)] for k, v in value.items()]  # int keys survive msgpack
+        if isinstance(value, list | tuple):
+            return {"__list__": [strip(v) for v in value]}
+        return value
+
+    return strip(optimizer.state_dict()), tensors
+
+
+def _restore(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(skeleton, dict) and "__tensor__" in skeleton:
+        return tensors[skeleton["__tensor__"]]
+    if isinstance(skeleton, dict) and "__list__" in skeleton:
+        return [_restore(v, tensors) for v in skeleton["__list__"]]
+    if isinstance(skeleton, list):
+        return {k: _restore(v, tensors) for k, v in skeleton}
+    return skeleton
+
+
+class _StageStateAverager(DecentralizedAverager):
+    """Shares the backend's live parameters and optimizer state with joining peers."""
+
+    def __init__(self, backend: ModuleBackend, *args: Any, **kwargs: Any):
+        self._backend = backend
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
+        backend = self._backend
+        with backend.lock:
+            params = [p.detach().cpu().clone() for p in backend.module.parameters()]
+            skeleton, opt_tensors = _optimizer_tensors(backend.optimizer)
+            opt_tensors = [t.clone() for t in opt_tensors]
+            counters = {"update_count": backend.update_count}
+        metadata = {"num_params": len(params), "optimizer": skeleton, **counters}
+        return metadata, params + opt_tensors
+
+
+class StageAverager:
+    """Averages one stage server's parameters with the stage's other peers.
+
+    :param dht: the running DHT of the stage server's peer;
+    :param averager_kwargs: more options for the :class:`DecentralizedAverager`
+        (``target_group_size``, ``compression``...).
+    """
+
+    def __init__(
+        self,
+        dht: Any,
+        pipeline: str,
+        stage: int,
+        backend: ModuleBackend,
+        options: StageTrainingOptions | None = None,
+        **averager_kwargs: Any,
+    ):
+        self.options = options or StageTrainingOptions()
+        if not isinstance(self.options, StageTrainingOptions):
+            raise ValidationError("options must be StageTrainingOptions")
+        self.backend, self.stage = backend, stage
+        params = [p for p in backend.module.parameters()]
+        if not params:
+            raise ValidationError(f"stage {stage} has no parameters to average")
+        self._staging = [p.detach().cpu().clone().contiguous() for p in params]
+        self.averager = _StageStateAverager(
+            backend,
+            self._staging,
+            dht,
+            start=True,
+            prefix=stage_key(pipeline, stage),
+            min_matchmaking_time=self.options.min_matchmaking_time,
+            **averager_kwargs,
+        )
+        self.rounds = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ averaging
+
+    def average_once(self) -> bool:
+        """One averaging round; True if it averaged with at least one other peer."""
+        params = list(self.backend.module.parameters())
+        with self.backend.lock, self.averager.get_tensors() as staging:
+            for buffer, param in zip(staging, params, strict=True):
+                buffer.copy_(param.detach().cpu())
+            copied = [buffer.clone() for buffer in staging]
+        result = self.averager.step(timeout=self.options.averaging_timeout)
+        if not result:
+            return False
+        with self.backend.lock, self.averager.get_tensors() as staging, torch.no_grad():
+            for param, averaged, before in zip(params, staging, copied, strict=True):
+                param.add_((averaged - before).to(param.device))
+        self.rounds += 1
+        return True
+
+    def load_state_from_peers(self) -> bool:
+        """Take the stage's parameters and optimizer state from its other peers; False
+        (state unchanged) if none answered within ``state_timeout``."""
+        deadline = time.monotonic() + self.options.state_timeout
+        state = None
+        while state is None:  # a donor's declaration may not have reached the DHT yet
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            state = self.averager.load_state_from_peers(timeout=min(remaining, 10.0))
+        metadata, tensors = state
+        params = list(self.backend.module.parameters())
+        num_params = metadata.get("num_params") if isinstance(metadata, dict) else None
+        if num_params != len(params) or len(tensors) < num_params:
+            raise ValidationError(
+                f"stage {self.stage}: a peer's state has {num_params} parameters, this "
+                f"stage's module has {len(params)}"
+            )
+        for i, (param, tensor) in enumerate(zip(params, tensors[:num_params], strict=True)):
+            if param.shape != tensor.shape:
+                raise ValidationError(
+                    f"stage {self.stage}: parameter {i} has shape {list(param.shape)}, the "
+                    f"downloaded one {list(tensor.shape)}"
+                )
+        with self.backend.lock, torch.no_grad():
+            for param, tensor in zip(params, tensors[:num_params], strict=True):
+                param.copy_(tensor.to(param.device))
+            if self.backend.optimizer is not None and metadata.get("optimizer") is not None:
+                restored = _restore(metadata["optimizer"], list(tensors[num_params:]))
+                self.backend.optimizer.load_state_dict(restored)
+            self.backend.update_count = int(metadata.get("update_count", 0))
+        logger.info("stage %d: loaded the stage's state from its peers", self.stage)
+        return True
+
+    # ------------------------------------------------------------------ background
+
+    def start(self) -> None:
+        """Average every ``average_period`` seconds on a background thread."""
+        if self._thread is not None:
+            raise ValidationError("this stage averager was already started")
+        self._thread = threading.Thread(
+            target=self._run, name=f"stage-{self.stage}-averaging", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.options.average_period):
+            try:
+                self.average_once()
+            except Exception as e:  # one failed round must not stop the next
+                logger.warning("stage %d: an averaging round failed: %r", self.stage, e)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        self.averager.shutdown()
+        if thread is not None:
+            thread.join(self.options.averaging_timeout + 10)
