@@ -7,10 +7,10 @@ Example::
 
 The model module defines ``make_model()``, ``loss_fn(model, batch)`` and either
 ``batches(batch_size, seed)`` or ``make_dataset()``, optionally ``make_optimizer(params)``,
-``make_scheduler(optimizer)`` and ``configure(options)`` (see ``swarmgrad.cli.model_module``). The trainer runs the
-usual loop around a collaborative ``swarmgrad.Optimizer``: every peer with the same
-``--run-id`` trains the same model, stepping together each time the swarm has processed
-``--target-batch-size`` samples.
+``make_scheduler(optimizer)`` and ``configure(options)`` (see
+``swarmgrad.cli.model_module``). The trainer runs the usual loop around a collaborative
+``swarmgrad.Optimizer``: every peer with the same ``--run-id`` trains the same model,
+stepping together each time the swarm has processed ``--target-batch-size`` samples.
 
 With ``--checkpoint-dir`` it saves the model, the optimizer state and the epoch every
 ``--checkpoint-every`` epochs and when it stops, and a restart resumes from there (then,
@@ -269,8 +269,7 @@ class Trainer:
             model = self.module.make_model()
         except Exception as e:
             raise ValueError(
-                f"model module {s['model_module']!r}: make_model() failed: "
-                f"{type(e).__name__}: {e}"
+                f"model module {s['model_module']!r}: make_model() failed: {type(e).__name__}: {e}"
             ) from e
         if not isinstance(model, torch.nn.Module):
             raise ValueError(
@@ -349,12 +348,16 @@ class Trainer:
 
         from swarmgrad.cli.train_checkpoint import CheckpointWriter
         from swarmgrad.cli.train_setup import to_device
+        from swarmgrad.utils.errors import ValidationError
 
         s = self.settings
         writer = CheckpointWriter(s["checkpoint_dir"], s["keep_checkpoints"]) if (
             s["checkpoint_dir"]
         ) else None  # fmt: skip
-        opt = self._make_optimizer(dht, model)
+        try:
+            opt = self._make_optimizer(dht, model)
+        except ValidationError as e:
+            return _usage_error(f"the collaborative optimizer refused these options: {e}")
         precision, params = self.precision, [p for p in model.parameters() if p.requires_grad]
         try:
             samples = 0
@@ -388,8 +391,7 @@ class Trainer:
                 step_samples = s["batch_size"] * accumulation
                 if s["clip_grad_norm"] is not None:
                     precision.clip(params, s["clip_grad_norm"])
-                precision.step(opt, step_samples)
-                opt.zero_grad()
+                precision.step(opt, step_samples)  # and zero_grad
                 samples += step_samples
                 window_samples += step_samples
                 if opt.local_epoch != last_epoch:

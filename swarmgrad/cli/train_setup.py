@@ -89,6 +89,28 @@ def check_run_options(settings: dict[str, Any], given: set[str]) -> None:
                 f"{_flag(name)} compresses averaged gradients: --mode local averages "
                 "parameters instead; use --mode sync"
             )
+    for name in ("offload", "delay"):
+        if s["mode"] == "local" and set_here(name):
+            # swarmgrad.Optimizer(use_local_updates=True, offload_optimizer=True) steps an
+            # offloaded copy whose .grad nothing fills (only the gradient averager does):
+            # the model would never change. Refused until the optimizer supports it.
+            raise ValidationError(
+                f"{_flag(name)} is not supported with --mode local (its local steps run "
+                "on the model's own parameters); use --mode sync"
+            )
+    if s["precision"] == "fp16" and s["mode"] == "sync" and s["clip_grad_norm"] is not None:
+        raise ValidationError(
+            "--clip-grad-norm is not supported with --precision fp16 in --mode sync: the "
+            "scaled gradients accumulate over the epoch in the .grad buffers, so a local "
+            "step's own gradient is not there to clip; use --precision bf16"
+        )
+    if s["delay"]:
+        if s["offload"] is False:
+            raise ValidationError(
+                "--delay steps in the background on the offloaded master copy: it cannot "
+                "go with --no-offload"
+            )
+        s["offload"] = True
     if s["mode"] == "streaming":
         s["fragments"] = 4 if s["fragments"] is None else s["fragments"]
         if positive_int("--fragments", s["fragments"]) < 2:
@@ -207,11 +229,19 @@ class Precision:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def step(self, opt: Any, batch_size: int) -> None:
+        """The collaborative step (and, for fp16, the scaler's update); zero_grad where
+        the gradients are not the accumulators (``reuse_grad_buffers``)."""
+        reuse = getattr(getattr(opt, "grad_averager", None), "reuse_grad_buffers", False)
         if self.scaler is None:
             opt.step(batch_size=batch_size)
+            opt.zero_grad()
             return
         scale = self.scaler.get_scale()
-        opt.step(batch_size=batch_size, grad_scaler=self.scaler)
+        if reuse:  # torch's scaler hands itself to the Optimizer (sync mode)
+            self.scaler.step(opt, batch_size=batch_size)
+        else:
+            opt.step(batch_size=batch_size, grad_scaler=self.scaler)
+            opt.zero_grad()
         self.scaler.update()
         if self.scaler.get_scale() < scale:  # update() lowers the scale only on overflow
             self.overflow_steps += 1
@@ -219,8 +249,8 @@ class Precision:
                 logger.warning(
                     "fp16 gradients overflowed (Inf/NaN) in the last %d steps; loss scale now "
                     "%.3g. They are dropped, so this peer contributes no progress to the "
-                    "swarm until its gradients are finite (try --precision bf16, a lower "
-                    "learning rate or --clip-grad-norm)",
+                    "swarm until its gradients are finite (try --precision bf16 or a lower "
+                    "learning rate)",
                     self.overflow_steps, self.scaler.get_scale(),
                 )  # fmt: skip
         elif self.overflow_steps:
@@ -294,7 +324,10 @@ def make_collaborative_optimizer(
         tracker_opts={"metadata_expiration": s["metadata_expiration"]},
         use_local_updates=s["mode"] == "local",
         client_mode=s["client_mode"],
-        offload_optimizer=s["offload"] or None,
+        offload_optimizer=s["offload"],
+        # fp16: the scaled gradients accumulate in the .grad buffers and the swarmgrad
+        # GradScaler unscales them once per epoch (the path it is built for)
+        reuse_grad_buffers=s["precision"] == "fp16" and s["mode"] == "sync",
         delay_optimizer_step=s["delay"] or None,
         delay_grad_averaging=bool(s["delay"]) and s["mode"] == "sync",
         grad_compression=compression(s["grad_compression"]),
