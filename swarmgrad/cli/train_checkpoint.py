@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointWriter",
     "checkpoint_paths",
+    "export_model",
     "load_checkpoint",
     "save_checkpoint",
     "snapshot_to_host",
@@ -187,6 +189,36 @@ class CheckpointWriter:
             if old.name != CHECKPOINT_NAME:
                 old.unlink(missing_ok=True)
         logger.debug("checkpoint written: %s", path)
+
+
+#: the keeper's export of the model alone: ``torch.load(path)`` is its state_dict
+MODEL_NAME = "model.pt"
+PRETRAINED_DIR = "pretrained"
+
+
+def export_model(directory: str | Path, model: torch.nn.Module) -> list[str]:
+    """Write the model alone, for users outside swarmgrad: ``model.pt`` (a state_dict,
+    for ``torch.load``) and, for a ``transformers`` model, ``pretrained/`` (its
+    ``save_pretrained`` form, for ``from_pretrained``). Both replaced atomically."""
+    directory = Path(directory)
+    written = [str(_write_atomically(directory, MODEL_NAME, snapshot_to_host(model.state_dict())))]
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if callable(save_pretrained):
+        final = directory / PRETRAINED_DIR
+        fresh = Path(tempfile.mkdtemp(prefix=".pretrained-", dir=directory))
+        old = directory / ".pretrained-old"
+        try:
+            save_pretrained(str(fresh))
+            if final.exists():
+                final.rename(old)
+            fresh.rename(final)
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise
+        finally:
+            shutil.rmtree(old, ignore_errors=True)
+        written.append(str(final))
+    return written
 
 
 def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: Any, **extra) -> Path:

@@ -81,6 +81,8 @@ DEFAULTS: dict[str, Any] = {
     "checkpoint_dir": None,
     "checkpoint_every": 5,
     "keep_checkpoints": 2,
+    "role": "trainer",
+    "keep_every": 1,
     "host_maddrs": ["/ip4/0.0.0.0/tcp/0"],
     "announce_maddrs": [],
     "identity_path": None,
@@ -115,6 +117,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     option("model-module", help="Python file defining make_model, loss_fn and the data")
     option("module-options", nargs="*", metavar="KEY=VALUE", help="passed to its configure()")
     option("run-id", help="peers with the same run id train together")
+    option(
+        "role", choices=("trainer", "keeper"),
+        help="keeper: train nothing; download the swarm's state every --keep-every epochs, "
+        "save it to --checkpoint-dir and serve it to joiners",
+    )  # fmt: skip
+    option("keep-every", type=int, help="keeper: epochs between two saved states")
     option("target-batch-size", type=int, help="samples the swarm processes per global step")
     option("batch-size", type=int, help="samples per local step")
     option("epochs", type=int, help="stop after this many global epochs (default: never)")
@@ -201,6 +209,16 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     settings["module_options"] = parse_module_options(settings["module_options"])
     settings["_given"] = set(given) | set(from_file)
     check_run_options(settings, settings["_given"])
+    if settings["role"] == "keeper":
+        if not settings["checkpoint_dir"]:
+            raise ValueError("--role keeper needs --checkpoint-dir: where it keeps the state")
+        if settings["client_mode"]:
+            raise ValueError(
+                "--role keeper serves the state to joiners, so it must accept connections: "
+                "drop --client-mode"
+            )
+        if settings["keep_every"] <= 0:
+            raise ValueError(f"--keep-every must be positive, got {settings['keep_every']}")
     if settings["precision"] == "fp16" and settings["mode"] in ("diloco", "streaming"):
         raise ValueError(
             f"--precision fp16 is not supported with --mode {settings['mode']} (its inner "
@@ -369,6 +387,9 @@ class Trainer:
             resumed = None if checkpoint is None else opt.local_epoch
             self.say("ready", pid=os.getpid(), maddrs=maddrs, resumed_epoch=resumed,
                      device=str(self.device), mode=s["mode"], precision=s["precision"])  # fmt: skip
+            if s["role"] == "keeper":
+                assert writer is not None
+                return self._keep(opt, model, writer)
             if maddrs and not s["progress_json"]:
                 print(f"Training. To join, use --initial-peers {' '.join(maddrs)}", flush=True)
             logger.info("training %s in run %r on %s (%s, --mode %s); this peer: %s",
@@ -424,6 +445,37 @@ class Trainer:
             if writer:
                 writer.wait(raise_error=False)
             opt.shutdown()
+
+    def _keep(self, opt: Any, model: Any, writer: Any) -> int:
+        """The keeper: no training; every ``--keep-every`` epochs of the swarm, download
+        its state, save it (checkpoint, plain ``model.pt``, ``save_pretrained`` form) and
+        serve it to joiners (its state averager shares whatever it last downloaded, so a
+        swarm whose trainers all restart resumes from it)."""
+        from swarmgrad.cli.train_checkpoint import export_model
+
+        s = self.settings
+        kept = opt.local_epoch if writer.last_good is not None else None
+        logger.info("keeping the state of run %r every %d epochs in %s (now at epoch %d)",
+                    s["run_id"], s["keep_every"], s["checkpoint_dir"], opt.local_epoch)  # fmt: skip
+        while not (self.stop.is_set() or self._finished(opt)):
+            swarm_epoch = opt.tracker.global_epoch
+            due = kept is None or swarm_epoch >= kept + s["keep_every"]
+            if swarm_epoch > opt.local_epoch and due:
+                opt.load_state_from_peers()
+                if kept is None or opt.local_epoch > kept:
+                    writer.save(model, opt)
+                    path = writer.wait()
+                    exported = export_model(s["checkpoint_dir"], model)
+                    kept = opt.local_epoch
+                    logger.info("kept the swarm's state at epoch %d: %s", kept, path)
+                    self.say("kept", epoch=kept, path=str(path), exports=exported)
+            # Say "at epoch E, no samples" again: the tracker's keepalive re-sends the last
+            # record with its old time, which would expire for a peer that never steps,
+            # and joiners find the kept state only through this record's epoch.
+            opt.tracker.report_local_progress(opt.local_epoch, 0)
+            self.stop.wait(1.0)
+        self.say("done", epoch=opt.local_epoch, samples=0)
+        return EXIT_OK
 
     def _finished(self, opt: Any) -> bool:
         return self.settings["epochs"] is not None and opt.local_epoch >= self.settings["epochs"]
