@@ -6,19 +6,15 @@ trainer restarts resumes where it was instead of from zero."""
 from __future__ import annotations
 
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from test_cli_train import TINY_MODULE, Proc, mean_loss, write
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_cli_train import TINY_MODULE, Proc, mean_loss, write  # noqa: E402
-
-from swarmgrad.cli import train_command  # noqa: E402
-from swarmgrad.cli.model_module import load_model_module  # noqa: E402
-from swarmgrad.cli.train_checkpoint import export_model, load_checkpoint  # noqa: E402
+from swarmgrad.cli import train_command
+from swarmgrad.cli.model_module import load_model_module
+from swarmgrad.cli.train_checkpoint import export_model, load_checkpoint
 
 
 def parse(*argv: str):
