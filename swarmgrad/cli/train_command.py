@@ -89,6 +89,8 @@ DEFAULTS: dict[str, Any] = {
     "authority_key": None,
     "access_token": None,
     "progress_json": False,
+    "tensorboard": None,
+    "wandb": None,
     "log_level": "INFO",
 }
 
@@ -174,6 +176,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     option("access-token", help="this peer's token file (swarmgrad authority issue)")
     group = parser.add_argument_group("output")
     option("progress-json", action="store_true", help="one JSON line per event on stdout")
+    option("tensorboard", metavar="DIR", help="write the metrics per epoch for TensorBoard here")
+    option("wandb", metavar="PROJECT", help="log the metrics per epoch to this W&B project")
     option("log-level", help="DEBUG, INFO, WARNING, ...")
     parser.set_defaults(run=run, train_parser=parser)
 
@@ -270,6 +274,7 @@ class Trainer:
             self.seed = int.from_bytes(os.urandom(4), "little")
         self.device: Any = None
         self.precision: Any = None
+        self.exporters: list[Any] = []
 
     def say(self, event: str, **fields: Any) -> None:
         if self.settings["progress_json"]:
@@ -298,15 +303,27 @@ class Trainer:
         return model.to(self.device)
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            for exporter in self.exporters:
+                exporter.close()
+
+    def _run(self) -> int:
         from swarmgrad.cli.model_module import ModelModuleError
         from swarmgrad.cli.train_checkpoint import CheckpointError, load_checkpoint
         from swarmgrad.cli.train_setup import Precision, resolve_device
         from swarmgrad.dht import DHT
+        from swarmgrad.monitor.exporters import make_exporters
         from swarmgrad.utils.errors import SwarmgradError
 
         s = self.settings
         try:
             self.device = resolve_device(s["device"])
+            self.exporters = make_exporters(
+                s["tensorboard"], s["wandb"], name=f"{s['run_id']}-{os.getpid()}",
+                config={k: v for k, v in s.items() if not k.startswith("_")},
+            )  # fmt: skip
             self.precision = Precision.create(s["precision"], self.device)
             model = self._make_model()
             checkpoint = load_checkpoint(s["checkpoint_dir"]) if s["checkpoint_dir"] else None
@@ -427,6 +444,12 @@ class Trainer:
                         peers=progress.num_peers, loss=loss_mean, samples=samples,
                         samples_per_s=window_samples / elapsed,
                     )  # fmt: skip
+                    for exporter in self.exporters:
+                        exporter.write(last_epoch, {
+                            "train/loss": loss_mean, "train/samples_per_second":
+                            window_samples / elapsed, "train/peers": progress.num_peers,
+                            "train/global_epoch": progress.epoch, "train/samples": samples,
+                        })  # fmt: skip
                     logger.info("epoch %d: loss %.4f, %d peers, %.1f samples/s",
                                 last_epoch, loss_mean or float("nan"), progress.num_peers,
                                 window_samples / elapsed)  # fmt: skip
