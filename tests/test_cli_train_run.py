@@ -365,3 +365,38 @@ def test_a_partial_file_left_by_a_crash_is_cleaned_up(tmp_path):
     (tmp_path / ".checkpoint-abc.part").write_bytes(b"half")
     CheckpointWriter(tmp_path)
     assert not list(tmp_path.glob("*.part"))
+
+
+# ---------------------------------------------------------------------- on a GPU
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (torch sees no GPU)"
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_one_peer_trains_on_cuda_and_its_checkpoint_loads_on_cpu(tmp_path, precision):
+    path = write(tmp_path)
+    code, trainer = train_in_process(
+        path, "--device", "cuda", "--precision", precision, "--target-batch-size", "64",
+        "--batch-size", "16", "--epochs", "4", "--checkpoint-dir", str(tmp_path / "ckpt"),
+        "--checkpoint-every", "1",
+    )  # fmt: skip
+    assert code == 0 and trainer.device.type == "cuda"
+    final = load_checkpoint(tmp_path / "ckpt")
+    assert all(t.device.type == "cpu" and torch.isfinite(t).all() for t in final["model"].values())
+    assert mean_loss(path, final["model"]) < mean_loss(path, None)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_snapshot_of_cuda_tensors_is_a_host_copy():
+    from swarmgrad.cli.train_checkpoint import snapshot_to_host
+
+    source = {"w": torch.arange(1000.0, device="cuda"), "n": [torch.ones(3, device="cuda")]}
+    copy = snapshot_to_host(source)
+    source["w"].zero_()
+    assert copy["w"].device.type == "cpu" and torch.equal(copy["w"], torch.arange(1000.0))
+    assert torch.equal(copy["n"][0], torch.ones(3))
