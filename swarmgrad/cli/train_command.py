@@ -413,8 +413,10 @@ class Trainer:
                         s["model_module"], s["run_id"], self.device, s["precision"], s["mode"],
                         " ".join(maddrs) or "client mode")  # fmt: skip
             last_epoch, saved_epoch = opt.local_epoch, opt.local_epoch
-            # the loss stays on the device until an epoch ends: no host sync per step
+            # On a GPU the loss stays there until an epoch ends (no host sync per step) and
+            # the monitor gets the epoch's mean; on the CPU every step's loss is reported.
             loss_sum, loss_count = torch.zeros((), device=self.device), 0
+            report_each_step = self.device.type == "cpu"
             window_began, window_samples = time.monotonic(), 0
             accumulation, step_samples = s["grad_accumulation"], 0
             batches = self._batches()
@@ -426,6 +428,8 @@ class Trainer:
                     precision.backward(loss / accumulation if accumulation > 1 else loss)
                     loss_sum += loss.detach().float()
                     loss_count += 1
+                    if report_each_step:
+                        opt.report(float(loss.detach()))
                 step_samples = s["batch_size"] * accumulation
                 if s["clip_grad_norm"] is not None:
                     precision.clip(params, s["clip_grad_norm"])
@@ -437,7 +441,7 @@ class Trainer:
                     progress = opt.tracker.global_progress
                     elapsed = max(time.monotonic() - window_began, 1e-9)
                     loss_mean = float(loss_sum) / loss_count if loss_count else None
-                    if loss_mean is not None:
+                    if loss_mean is not None and not report_each_step:
                         opt.report(loss_mean)  # for swarmgrad monitor
                     self.say(
                         "epoch", epoch=last_epoch, global_epoch=progress.epoch,
