@@ -129,11 +129,12 @@ class RemoteMixtureOfExperts(nn.Module):
         if not inputs or inputs[0].ndim < 2:
             raise ValidationError("the input must be batch-first with at least 2 dimensions")
         scores = [s.detach().cpu().numpy() for s in grid_scores]
-        detached = [t.detach().cpu() for t in inputs]
+        host = to_host(inputs)  # one copy to the host: for the wire and for autograd
+        detached = [t.detach() for t in host]
         outcome, schema = run_coroutine(self._forward_async(scores, detached))
         plan = _Plan(outcome.answers, len(detached[0]), schema, len(scores))
         device = inputs[0].device
-        outputs = _RemoteMixtureCall.apply(DUMMY, plan, self, *to_host(inputs))
+        outputs = _RemoteMixtureCall.apply(DUMMY, plan, self, *host)
         return plan.mask.to(device), plan.coords.to(device), list(to_device(outputs, device))
 
     def compute_scores(self, grid_scores: Sequence[torch.Tensor], coords: torch.Tensor):
