@@ -156,7 +156,7 @@ class Swarm:
             "--metadata-expiration", "20", "--metrics-period", "0", "--progress-json",
         ]  # fmt: skip
         kept = str(workdir / "kept")
-        keeper = ["--role", "keeper", "--keep-every", "2", "--checkpoint-dir", kept]
+        keeper = ["--role", "keeper", "--keep-every", "1", "--checkpoint-dir", kept]
         self.keeper = Peer("keeper", [*self.common, *keeper], workdir, env)
         self.trainers = [
             Peer(f"trainer{i}", [*self.common, "--seed", str(i)], workdir, env)
