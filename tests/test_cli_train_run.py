@@ -5,9 +5,12 @@ and atomically (a full disk keeps the last good one)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import logging
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -400,3 +403,49 @@ def test_snapshot_of_cuda_tensors_is_a_host_copy():
     source["w"].zero_()
     assert copy["w"].device.type == "cpu" and torch.equal(copy["w"], torch.arange(1000.0))
     assert torch.equal(copy["n"][0], torch.ones(3))
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(path: Path, size: str):
+    """A real filesystem of ``size`` at ``path`` (root only; unmounted afterwards)."""
+    path.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+BIG_MODULE = MODULE.replace(
+    "torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)",
+    "torch.nn.Linear(8, 8000), torch.nn.Tanh(), torch.nn.Linear(8000, 1)",
+)  # 80k parameters: a checkpoint of about 330 kB
+
+
+def test_a_checkpoint_directory_that_fills_up_keeps_the_last_good_one(tmp_path, capsys):
+    """A real full disk (a 900 kB tmpfs: two checkpoints fit, the third's temporary file
+    does not): training goes on, the final save fails with exit code 1 naming the
+    directory, and the last good checkpoint is intact and loads."""
+    path = write(tmp_path, BIG_MODULE)
+    with tiny_tmpfs(tmp_path / "disk", "900k") as disk:
+        code, _ = train_in_process(
+            path, "--target-batch-size", "32", "--batch-size", "16", "--epochs", "5",
+            "--checkpoint-dir", str(disk), "--checkpoint-every", "1",
+            "--keep-checkpoints", "3",
+        )  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 1
+        assert f"checkpoint not written in {str(disk)!r}" in err
+        assert "No space left on device" in err and "the last good checkpoint is kept" in err
+        assert not list(disk.glob(".*.part"))  # no partial file left behind
+        kept = load_checkpoint(disk)
+        assert 1 <= kept["epoch"] < 5
+        module = load_model_module(path)
+        module.make_model().load_state_dict(kept["model"])

@@ -94,14 +94,39 @@ def _serialize(state: dict, file: Any) -> None:
     torch.save(state, file)
 
 
+class _RecordingFile:
+    """A binary file that remembers the first OSError a write raised: torch's writer
+    turns it into an opaque "unexpected pos" RuntimeError, and "No space left on device"
+    is what the user must read."""
+
+    def __init__(self, file: Any):
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def _write_atomically(directory: Path, name: str, state: dict) -> Path:
     """Write ``state`` to ``directory/name`` through a temporary file in the same
     directory, fsync'd, then renamed (and the directory fsync'd for the rename)."""
     fd, partial = tempfile.mkstemp(prefix=_PARTIAL_PREFIX, suffix=".part", dir=directory)
     try:
         with os.fdopen(fd, "wb") as file:
-            _serialize(state, file)
-            file.flush()
+            recording = _RecordingFile(file)
+            try:
+                _serialize(state, recording)
+                file.flush()
+            except Exception as e:
+                if recording.error is not None and recording.error is not e:
+                    raise recording.error from e
+                raise
             os.fsync(file.fileno())
         path = directory / name
         os.replace(partial, path)
