@@ -161,6 +161,25 @@ def test_options_that_cannot_work_together_are_refused_by_name(tmp_path, argv, m
         settings_for(tmp_path / "m.py", *argv)
 
 
+def test_config_file_takes_the_new_options(tmp_path):
+    config = tmp_path / "train.toml"
+    config.write_text(
+        'mode = "streaming"\nfragments = 3\ninner-steps = 20\nouter-compression = "4bit"\n'
+        'precision = "bf16"\ndevice = "cpu"\nkeep_checkpoints = 5\n'
+    )
+    s = train_command.resolve_settings(
+        parse("--config", str(config), "--model-module", "m.py", "--run-id", "r")
+    )
+    assert (s["mode"], s["fragments"], s["inner_steps"], s["outer_compression"]) == (
+        "streaming", 3, 20, "4bit")  # fmt: skip
+    assert (s["precision"], s["device"], s["keep_checkpoints"]) == ("bf16", "cpu", 5)
+    config.write_text("offload = false\n")
+    s = train_command.resolve_settings(
+        parse("--config", str(config), "--model-module", "m.py", "--run-id", "r")
+    )
+    assert s["offload"] is False
+
+
 def test_mode_defaults_are_filled_in(tmp_path):
     assert settings_for(tmp_path / "m.py", "--mode", "streaming")["fragments"] == 4
     assert settings_for(tmp_path / "m.py", "--mode", "diloco")["fragments"] == 1

@@ -191,10 +191,13 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     settings = dict(DEFAULTS)
     from_file: dict[str, Any] = {}
     if given.get("config"):
-        tokens = config_tokens(load_config(given["config"]), given["config"], DEFAULTS)
+        config = load_config(given["config"])
+        tokens = config_tokens(config, given["config"], DEFAULTS)
         from_file = {
             k: v for k, v in vars(args.train_parser.parse_args(tokens)).items() if k in DEFAULTS
         }
+        if config.get("offload") is False:  # (a false flag gives no token: --no-offload)
+            from_file["offload"] = False
         settings.update(from_file)
     settings.update(given)
     for key in ("initial_peers", "host_maddrs", "announce_maddrs", "module_options"):
