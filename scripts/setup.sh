@@ -15,6 +15,10 @@ fi
 # only, never a build (about 18 s here); a failure only costs those tests.
 "$PYTHON" -m pip install --quiet --only-binary=:all: -e ".[lightning,transformers]" \
     || echo "setup: lightning/transformers not installed; their integration tests will be skipped" >&2
+# hivemind-style protobuf handlers (swarmgrad.p2p) and the metrics exporters (TensorBoard,
+# Weights & Biases, offline in tests): wheels only; a failure only skips their tests.
+"$PYTHON" -m pip install --quiet --only-binary=:all: -e ".[hivemind,tensorboard,wandb]" \
+    || echo "setup: protobuf/tensorboard/wandb not installed; their tests will be skipped" >&2
 # The documentation site's tools (mkdocs, mkdocstrings): wheels only, like the above; a
 # failure only skips tests/test_docs_build.py.
 "$PYTHON" -m pip install --quiet --only-binary=:all: -e ".[docs]" \

@@ -13,6 +13,9 @@ not write the training loop. It defines:
     batches with a ``DataLoader``. Exactly one of the two.
 ``make_optimizer(params) -> torch.optim.Optimizer``  (optional)
     The local optimizer; Adam with lr 1e-3 when absent.
+``make_scheduler(optimizer) -> LR scheduler``  (optional)
+    A learning-rate schedule over the local optimizer; it steps once per global epoch
+    (``--mode sync``/``local``) or per inner step (``diloco``/``streaming``).
 ``configure(options: dict[str, str])``  (optional)
     Receives ``--module-options KEY=VALUE`` pairs before anything else is called.
 
@@ -35,7 +38,7 @@ __all__ = ["ModelModule", "ModelModuleError", "load_model_module", "EXPECTED_NAM
 
 EXPECTED_NAMES = (
     "make_model(), loss_fn(model, batch), and batches(batch_size, seed) or make_dataset(); "
-    "optionally make_optimizer(params) and configure(options)"
+    "optionally make_optimizer(params), make_scheduler(optimizer) and configure(options)"
 )
 
 
@@ -54,6 +57,7 @@ class ModelModule:
     make_dataset: Callable[[], Any] | None
     make_optimizer: Callable[[Any], Any] | None
     configure: Callable[[dict[str, str]], None] | None
+    make_scheduler: Callable[[Any], Any] | None = None
 
 
 def load_model_module(path: str | Path, options: dict[str, str] | None = None) -> ModelModule:
@@ -104,6 +108,7 @@ def load_model_module(path: str | Path, options: dict[str, str] | None = None) -
         make_dataset=make_dataset,
         make_optimizer=function("make_optimizer", False),
         configure=function("configure", False),
+        make_scheduler=function("make_scheduler", False),
     )
     if options:
         if loaded.configure is None:

@@ -9,6 +9,8 @@ the runs' progress and their peers' metrics records every few seconds, and serve
   /api/snapshot   the same figures as JSON
 
 With --json it prints one snapshot and exits. docs/monitor.md describes every field.
+With --tensorboard DIR and/or --wandb PROJECT it also writes each run's figures there, one
+point each time the run's epoch moves (the tensorboard / wandb extras).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import signal
 import sys
 import threading
+from typing import Any
 
 from swarmgrad.cli.dht_command import add_admission_arguments, admission_kwargs
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
@@ -64,6 +67,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--history", type=int, default=720, help="points of history kept per run (720)"
     )
+    parser.add_argument(
+        "--tensorboard", metavar="DIR", help="write each run's figures per epoch for TensorBoard"
+    )
+    parser.add_argument(
+        "--wandb", metavar="PROJECT", help="log each run's figures per epoch to this W&B project"
+    )
     add_admission_arguments(parser)
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ...")
     parser.set_defaults(run=run)
@@ -75,9 +84,8 @@ def _usage_error(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarmgrad.dht import DHT
-    from swarmgrad.monitor import Monitor, PortInUse
-    from swarmgrad.utils.errors import SwarmgradError, ValidationError
+    from swarmgrad.monitor.exporters import SnapshotExporter, make_exporters
+    from swarmgrad.utils.errors import ValidationError
 
     if not 0 <= args.port <= 65535:
         return _usage_error(f"--port must be between 0 and 65535, got {args.port}")
@@ -85,10 +93,29 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(f"--poll-interval must be positive, got {args.poll_interval}")
     if args.history < 2:
         return _usage_error(f"--history must keep at least 2 points, got {args.history}")
+    if args.json and (args.tensorboard or args.wandb):
+        return _usage_error("--tensorboard and --wandb export while the monitor runs, not --json")
     try:
         admission = admission_kwargs(args.authority_key, args.access_token)
     except ValueError as e:
         return _usage_error(str(e))
+    try:
+        exporters = SnapshotExporter(
+            make_exporters(args.tensorboard, args.wandb, name="swarmgrad-monitor")
+        )
+    except ValidationError as e:
+        return _usage_error(str(e))
+    try:
+        return _run(args, admission, exporters)
+    finally:
+        exporters.close()
+
+
+def _run(args: argparse.Namespace, admission: dict, exporters: Any) -> int:
+    from swarmgrad.dht import DHT
+    from swarmgrad.monitor import Monitor, PortInUse
+    from swarmgrad.utils.errors import SwarmgradError, ValidationError
+
     use_swarmgrad_log_handler(args.log_level.upper())
     stop = threading.Event()
     if not args.json:
@@ -125,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"Monitor running at {monitor.url}", flush=True)
         print(f"  Prometheus: {monitor.url}metrics   JSON: {monitor.url}api/snapshot", flush=True)
         while not stop.wait(1.0):
-            pass
+            if exporters.exporters:
+                exporters.export(monitor.snapshot())
         print("Shutting down", flush=True)
         return EXIT_OK
     finally:

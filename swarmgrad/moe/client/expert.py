@@ -97,7 +97,9 @@ class RemoteExpert(nn.Module):
                 f"{sorted(kwargs)}"
             )
         check_batch(args, self.schema.args_schema, f"inputs of expert {self.uid!r}")
-        outputs = _RemoteCall.apply(DUMMY, self, *args)
+        device = args[0].device if args else torch.device("cpu")
+        outputs = _RemoteCall.apply(DUMMY, self, *to_host(args))
+        outputs = to_device(outputs, device)
         return outputs[0] if len(outputs) == 1 else outputs
 
     async def info_async(self, timeout: float | None = None) -> dict[str, Any]:
@@ -127,8 +129,30 @@ class RemoteExpert(nn.Module):
         return f"uid={self.uid!r}, servers=[{servers}]"
 
 
+def to_host(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on the CPU, through autograd (a no-op for CPU tensors).
+
+    A remote call's autograd Function must see only CPU tensors. The autograd engine runs
+    a node's backward on the thread of the device its gradients are on: for CUDA, one
+    engine thread per device, shared by every backward pass in the process. A Function
+    whose backward blocks on the network while holding that thread deadlocks a server in
+    the same process, whose own backward (on its runtime thread) needs the same engine
+    thread. With CPU tensors inside, the remote backward runs on the thread that called
+    ``backward()``, and the copies to and from the device stay ordinary autograd nodes.
+    The copy to the host is the one the wire needs anyway: no extra synchronisation."""
+    return tuple(t.to("cpu") for t in tensors)
+
+
+def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The outputs of a remote call moved (through autograd) to the caller's device."""
+    if device.type == "cpu":
+        return tuple(tensors)
+    return tuple(t.to(device, non_blocking=True) for t in tensors)
+
+
 class _RemoteCall(torch.autograd.Function):
-    """Forward on the server now; backward on the server when autograd asks."""
+    """Forward on the server now; backward on the server when autograd asks. Sees CPU
+    tensors only (see :func:`to_host`)."""
 
     @staticmethod
     def forward(ctx, dummy: torch.Tensor, expert: RemoteExpert, *inputs: torch.Tensor):
@@ -138,8 +162,7 @@ class _RemoteCall(torch.autograd.Function):
         outputs = run_coroutine(
             expert.caller.forward(inputs, timeout=expert.forward_timeout, schema=expert.schema)
         )
-        device = inputs[0].device if inputs else torch.device("cpu")
-        return tuple(t.to(device) for t in outputs)
+        return tuple(outputs)
 
     @staticmethod
     @once_differentiable
@@ -153,7 +176,7 @@ class _RemoteCall(torch.autograd.Function):
         )
         needs = ctx.needs_input_grad[2:]
         pairs = zip(grads, inputs, needs, strict=True)
-        return (None, None, *(g.to(x.device) if need else None for g, x, need in pairs))
+        return (None, None, *(g if need else None for g, _, need in pairs))
 
 
 # ---------------------------------------------------------------------- from the DHT

@@ -33,7 +33,7 @@ from .dispatch import (
     backward_from_experts,
     forward_to_experts,
 )
-from .expert import DUMMY
+from .expert import DUMMY, to_device, to_host
 
 __all__ = ["RemoteMixtureOfExperts"]
 
@@ -129,12 +129,13 @@ class RemoteMixtureOfExperts(nn.Module):
         if not inputs or inputs[0].ndim < 2:
             raise ValidationError("the input must be batch-first with at least 2 dimensions")
         scores = [s.detach().cpu().numpy() for s in grid_scores]
-        detached = [t.detach().cpu() for t in inputs]
+        host = to_host(inputs)  # one copy to the host: for the wire and for autograd
+        detached = [t.detach() for t in host]
         outcome, schema = run_coroutine(self._forward_async(scores, detached))
         plan = _Plan(outcome.answers, len(detached[0]), schema, len(scores))
-        outputs = _RemoteMixtureCall.apply(DUMMY, plan, self, *inputs)
         device = inputs[0].device
-        return plan.mask.to(device), plan.coords.to(device), list(outputs)
+        outputs = _RemoteMixtureCall.apply(DUMMY, plan, self, *host)
+        return plan.mask.to(device), plan.coords.to(device), list(to_device(outputs, device))
 
     def compute_scores(self, grid_scores: Sequence[torch.Tensor], coords: torch.Tensor):
         """Each slot's expert score, the sum of its coordinates' gate scores: ``[batch,
@@ -293,21 +294,20 @@ class _Plan:
 
 
 class _RemoteMixtureCall(torch.autograd.Function):
-    """Outputs already computed by the experts; backward asks the same experts."""
+    """Outputs already computed by the experts; backward asks the same experts. Sees CPU
+    tensors only, so that its backward never holds autograd's CUDA thread (``to_host``)."""
 
     @staticmethod
     def forward(ctx, dummy, plan: _Plan, layer: RemoteMixtureOfExperts, *inputs):
         ctx.plan, ctx.layer = plan, layer
         ctx.save_for_backward(*inputs)
-        device = inputs[0].device
-        return tuple(t.to(device) for t in plan.outputs())
+        return tuple(plan.outputs())
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grad_outputs: torch.Tensor):
         plan: _Plan = ctx.plan
-        inputs = [t.detach().cpu() for t in ctx.saved_tensors]
-        grad_outputs = [g.cpu() for g in grad_outputs]
+        inputs = [t.detach() for t in ctx.saved_tensors]
         jobs = []
         for answer, (rows, slots) in zip(plan.answers, plan.places, strict=True):
             sub_inputs = [t.index_select(0, rows) for t in inputs]
@@ -324,8 +324,7 @@ class _RemoteMixtureCall(torch.autograd.Function):
             for grad, part in zip(grads, sub_grads, strict=True):
                 if grad is not None:
                     grad.index_add_(0, rows, part.to(grad.dtype))
-        device = ctx.saved_tensors[0].device
-        return (None, None, None, *(g.to(device) if g is not None else None for g in grads))
+        return (None, None, None, *grads)
 
 
 # ---------------------------------------------------------------------- helpers
