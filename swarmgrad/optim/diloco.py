@@ -85,6 +85,7 @@ from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_f
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
+from swarmgrad.utils.checks import fraction, positive_int, positive_seconds
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
@@ -202,32 +203,24 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         metrics: bool | dict = True,
     ):
         for name, value in (("batch_size", batch_size), ("num_inner_steps", num_inner_steps)):
-            _check_positive_int(name, value)
-        _check_positive_int("num_fragments", num_fragments)
+            positive_int(name, value)
+        positive_int("num_fragments", num_fragments)
         if target_batch_size is not None:
-            _check_positive_int("target_batch_size", target_batch_size)
+            positive_int("target_batch_size", target_batch_size)
         if num_fragments > 1 and num_inner_steps < num_fragments:
             raise ValidationError(
                 f"num_inner_steps={num_inner_steps} is fewer than num_fragments="
                 f"{num_fragments}: each fragment must sync at most once per inner step"
             )
-        if fragment_pace is not None and (
-            isinstance(fragment_pace, bool)
-            or not isinstance(fragment_pace, int | float)
-            or not 0 < fragment_pace <= 1
-        ):
-            raise ValidationError(f"fragment_pace must be in (0, 1] or None, got {fragment_pace!r}")
-        if not isinstance(fragment_merge_alpha, int | float) or not 0 <= fragment_merge_alpha < 1:
-            raise ValidationError(
-                f"fragment_merge_alpha must be in [0, 1), got {fragment_merge_alpha!r}"
-            )
+        if fragment_pace is not None:
+            fraction("fragment_pace", fragment_pace, low_open=True)
+        fraction("fragment_merge_alpha", fragment_merge_alpha, high_open=True)
         for name, value in (
             ("matchmaking_time", matchmaking_time),
             ("averaging_timeout", averaging_timeout),
             ("load_state_timeout", load_state_timeout),
         ):
-            if not isinstance(value, int | float) or not 0 < value < float("inf"):
-                raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
+            positive_seconds(name, value)
         if not isinstance(run_id, str) or not run_id:
             raise ValidationError(f"run_id must be a non-empty str, got {run_id!r}")
         if not dht.is_alive():
@@ -400,7 +393,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise ValidationError("this DiLoCoOptimizer was shut down")
         if batch_size is not None:
-            _check_positive_int("batch_size", batch_size)
+            positive_int("batch_size", batch_size)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1030,8 +1023,3 @@ def _compression_residuals(
         restored = codec.extract(codec.compress(delta, info))
         residuals.append(delta - restored.to(delta.dtype).reshape(delta.shape))
     return residuals
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValidationError(f"{name} must be a positive int, got {value!r}")

@@ -64,6 +64,7 @@ from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.optim.progress import LocalTrainingProgress
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
+from swarmgrad.utils.checks import check_peer_role, optional_positive_seconds, positive_int
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
@@ -159,10 +160,10 @@ class Optimizer(torch.optim.Optimizer):
                 "diloco_opts needs outer_optimizer (DiLoCo mode); without it, leave it out"
             )
         self._parent_pid = os.getpid()
-        _check_positive_int("target_batch_size", target_batch_size)
+        positive_int("target_batch_size", target_batch_size)
         if batch_size_per_step is not None:
-            _check_positive_int("batch_size_per_step", batch_size_per_step)
-        _check_positive_int("average_state_every", average_state_every)
+            positive_int("batch_size_per_step", batch_size_per_step)
+        positive_int("average_state_every", average_state_every)
         for name, value in (
             ("matchmaking_time", matchmaking_time),
             ("averaging_timeout", averaging_timeout),
@@ -171,10 +172,7 @@ class Optimizer(torch.optim.Optimizer):
             ("load_state_timeout", load_state_timeout),
             ("shutdown_timeout", shutdown_timeout),
         ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-            ):
-                raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
+            optional_positive_seconds(name, value)
         if not isinstance(run_id, str) or not run_id:
             raise ValidationError(f"run_id must be a non-empty str, got {run_id!r}")
         if dht.peer is None:
@@ -470,7 +468,7 @@ class Optimizer(torch.optim.Optimizer):
                     "pass batch_size to step() or batch_size_per_step to the Optimizer"
                 )
         elif batch_size is not None:
-            _check_positive_int("batch_size", batch_size)
+            positive_int("batch_size", batch_size)
         self._raise_group_error()
 
         self.state_averager.step(apply_delayed_updates=True)  # a finished background update
@@ -1023,13 +1021,6 @@ class Optimizer(torch.optim.Optimizer):
         return f"{type(self).__name__}(run_id={self.run_id!r}, epoch={self.local_epoch})"
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(f"{name} must be a positive int, got {value!r}")
-    if value <= 0:
-        raise ValidationError(f"{name} must be a positive int, got {value}")
-
-
 def _check_modes(
     *,
     client_mode: bool,
@@ -1046,11 +1037,7 @@ def _check_modes(
     scheduler: Any,
 ) -> None:
     """Refuse combinations that cannot work, each by name."""
-    if client_mode and auxiliary:
-        raise ValidationError(
-            "client_mode=True and auxiliary=True conflict: an auxiliary peer reduces others' "
-            "parts, so it must accept connections"
-        )
+    check_peer_role(client_mode=client_mode, auxiliary=auxiliary)
     if auxiliary and batch_size_per_step is not None:
         raise ValidationError(
             "auxiliary=True conflicts with batch_size_per_step: it trains nothing"
