@@ -63,10 +63,10 @@ the others' average (weight 0).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import hashlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,7 +81,14 @@ from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.compression.base import CompressionInfo
 from swarmgrad.dht.dht import DHT
 from swarmgrad.net.identity import PeerID
-from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_fields
+from swarmgrad.optim.epoch_machinery import EpochMachinery
+from swarmgrad.optim.fragment_schedule import (
+    FragmentSchedule,
+    fragment_send_rate,
+    split_into_fragments,
+)
+from swarmgrad.optim.metrics import is_scalar_loss
+from swarmgrad.optim.optimizer import Optimizer
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
@@ -93,18 +100,6 @@ __all__ = ["DiLoCoOptimizer", "split_into_fragments"]
 
 logger = logging.getLogger(__name__)
 
-#: a paced fragment's round takes at most this share of ``averaging_timeout``, however
-#: long the epoch is thought to be: a misjudged epoch length must not stretch a round
-#: past its timeout (a fixed floor of 16 KB/s did that job before, and it held a 45-KB
-#: round at 16 KB/s where spreading it over the 3.3-s gap asked for 14)
-_MAX_PACED_SHARE_OF_TIMEOUT = 0.25
-#: the pace is what the last epoch's rounds wrote (per value, for the mean fragment)
-#: times this margin, so that a round a little larger than the last does not push the
-#: next ones later and later
-_PACE_MARGIN = 1.05
-#: ... and never below this share of the codec's estimate (the last epoch may have had a
-#: failed round or fewer peers)
-_MIN_SHARE_OF_ESTIMATE = 0.6
 #: rounds that shutdown() finishes: their group formed and this peer released them
 _AVERAGING_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 
@@ -121,30 +116,6 @@ def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
-def split_into_fragments(sizes: Sequence[int], num_fragments: int) -> list[list[int]]:
-    """Cut parameters (in model order, by element count) into ``num_fragments`` runs of
-    consecutive parameters with similar total sizes; every fragment gets at least one."""
-    if num_fragments > len(sizes):
-        raise ValidationError(
-            f"num_fragments={num_fragments} is more than the model's {len(sizes)} parameter "
-            "tensors: every fragment needs at least one"
-        )
-    total = sum(sizes)
-    fragments: list[list[int]] = [[] for _ in range(num_fragments)]
-    done, current = 0, 0
-    for index, size in enumerate(sizes):
-        left_tensors = len(sizes) - index
-        left_fragments = num_fragments - current - 1
-        # move on once this fragment has its share, or when the rest need a tensor each
-        if fragments[current] and (
-            left_tensors <= left_fragments or done >= total * (current + 1) / num_fragments
-        ):
-            current += 1
-        fragments[current].append(index)
-        done += size
-    return fragments
-
-
 class _Fragment:
     """One fragment: its parameters, its averager and its round in flight."""
 
@@ -158,7 +129,7 @@ class _Fragment:
         self.counted_result: Any = None  # the last round whose paced bytes were counted
 
 
-class DiLoCoOptimizer(torch.optim.Optimizer):
+class DiLoCoOptimizer(Optimizer):
     """See the module docstring. Arguments: ``dht``, ``run_id`` (peers with the same id
     train together), ``batch_size`` (samples per :meth:`step`), ``num_inner_steps`` (H),
     ``inner_optimizer`` (a factory ``callable(params)`` with ``params``, or a ready
@@ -262,12 +233,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             else bool(error_feedback)
         )
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
+        self.schedule = FragmentSchedule(num_fragments)
         self._restart_epoch_count()
-        self._closed = False
-        self._check_sync_on_next_update = True
         self._resync = False  # a round showed that synced copies differ across peers
-        self._left_behind = False  # a round found nobody: the others were past its epoch
         self._state_offer_pending = False  # the epoch's state is declared once it is whole
+        # what the Optimizer's shared methods read: DiLoCo's inner steps are local updates
+        self.auxiliary, self.grad_averager, self.shutdown_timeout = False, None, 1.0
+        self._parent_pid = os.getpid()
 
         averager_opts = dict(averager_opts or {})
         self.tracker = ProgressTracker(
@@ -280,7 +252,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             **{"read_quorum": DILOCO_READ_QUORUM, **(tracker_opts or {})},
         )
         self.fragments: list[_Fragment] = []
-        self.metrics: MetricsPublisher | None = None
         try:
             self.state_averager = TrainingStateAverager(
                 dht=dht,
@@ -313,9 +284,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self.fragments.append(_Fragment(index, members, averager))
                 # a re-average of the copies leaves out whoever a fragment's averager banned
                 self.state_averager.follow_bans_of(averager)
-            if metrics:
-                options = dict(metrics) if isinstance(metrics, dict) else {}
-                self.metrics = MetricsPublisher(dht, run_id, self._collect_metrics, **options)
+            self.epochs = EpochMachinery(
+                run_id=run_id,
+                tracker=self.tracker,
+                state_averager=self.state_averager,
+                client_mode=self.client_mode,
+                matchmaking_time=self.matchmaking_time,
+                averaging_timeout=self.averaging_timeout,
+                load_state_timeout=self.load_state_timeout,
+                catch_up_without_state=False,
+                status_loglevel=self.status_loglevel,
+            )
+            self.epochs.start_metrics(dht, metrics, self._collect_metrics)
         except BaseException:
             self._shutdown_parts()
             raise
@@ -341,9 +321,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return self.state_averager.optimizer
 
     @property
-    def local_epoch(self) -> int:
-        """Outer steps taken (by this peer, and by the swarm when in sync)."""
-        return self.state_averager.local_epoch
+    def opt(self) -> torch.optim.Optimizer:
+        """The inner optimizer (``optimizer=`` in DiLoCo mode)."""
+        return self.inner_optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
@@ -379,12 +359,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for mine, theirs in zip(self._masters, synced, strict=True):
                 mine.copy_(theirs)
-        self.state_averager.local_epoch = int(state_dict["epoch"])
-        with self.tracker.pause_updates():
-            self.tracker.update_epoch(new_epoch=self.local_epoch)
-
-    def is_synchronized_with_peers(self) -> bool:
-        return self.local_epoch >= self.tracker.global_epoch - 1
+        self.epochs.set_epoch(state_dict["epoch"])
 
     # ------------------------------------------------------------------ stepping
 
@@ -398,12 +373,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            if self.metrics is not None and is_scalar_loss(loss):
-                self.metrics.report_loss(loss)
+            if is_scalar_loss(loss):
+                self.epochs.report_loss(loss)
         self._apply_finished_fragments(wait=False)
         if self._state_offer_pending:
             self._offer_state()
-        if self._should_load_state_from_peers():
+        if self.epochs.should_load_state():
             logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
             self.load_state_from_peers()
             return loss
@@ -415,26 +390,27 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.tracker.report_local_progress(self.local_epoch, self.samples_since_sync)
         self.tracker.target_batch_size = self._target(self.tracker.global_progress.num_peers)
 
-        progress = self._epoch_fraction()
-        streaming = len(self.fragments) > 1
-        for fragment in self.fragments if streaming else ():  # all in the background
-            due = (fragment.index + 0.5) / len(self.fragments)
-            if fragment.synced_epoch < self.local_epoch:
-                if progress >= due and self._alone() and self._found_peers_on_a_last_look():
-                    # the target grew with the peers found: the fragment may not be due yet
-                    self.tracker.target_batch_size = self._target(
-                        self.tracker.global_progress.num_peers
-                    )
-                    progress = self._epoch_fraction()
-                if progress >= due:
-                    self._launch(fragment)
-                else:
-                    self._maybe_schedule(fragment, fraction=due)
-        if not streaming:
-            self._maybe_schedule(self.fragments[0], fraction=1.0)
+        self._sync_due_fragments()
         if self.tracker.ready_to_update_epoch:
             self._outer_step()
         return loss
+
+    def _launched(self) -> list[int]:
+        return [fragment.synced_epoch for fragment in self.fragments]
+
+    def _sync_due_fragments(self) -> None:
+        """Launch the fragments the schedule says are due; seek groups for the rest."""
+        epoch, progress = self.local_epoch, self._epoch_fraction()
+        due = self.schedule.due_now(epoch, progress, self._launched())
+        if due and self.epochs.alone() and self.epochs.look_again_if_alone():
+            # the target grew with the peers found: the fragments may not be due yet
+            self.tracker.target_batch_size = self._target(self.tracker.global_progress.num_peers)
+            progress = self._epoch_fraction()
+            due = self.schedule.due_now(epoch, progress, self._launched())
+        for index in due:
+            self._launch(self.fragments[index])
+        for index, due_fraction in self.schedule.upcoming(epoch, self._launched()):
+            self._maybe_schedule(self.fragments[index], fraction=due_fraction)
 
     def _target(self, num_peers: int) -> int:
         if self.fixed_target is not None:
@@ -510,7 +486,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             require_trigger=True,
             wait=False,
             timeout=self.averaging_timeout,
-            round_tag=f"outer{self.local_epoch}f{fragment.index}",
+            round_tag=self.schedule.round_tag(self.local_epoch, fragment.index),
             gather=self._synced_digest(fragment),
             expected_group_size=self._expected_group_size(),
             leader_hint=self._leader_hint(fragment),
@@ -540,16 +516,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         traffic, in the middle of paced data, was what set a streaming peer's busiest
         second. None in plain DiLoCo and when no such group is known (the first epoch, a
         peer that just joined): then matchmaking goes through the DHT."""
-        if len(self.fragments) == 1:
-            return None
-        epoch, last_index = self.local_epoch, len(self.fragments) - 1
-        if fragment.index > 0:
-            candidates = [(0, epoch)]
-        else:
-            candidates = [(last_index, epoch - 1), (0, epoch - 1)]
-        for index, tag_epoch in candidates:
+        for index, tag_epoch in self.schedule.leader_sources(self.local_epoch, fragment.index):
             last = self.fragments[index].averager.last_group
-            if last is not None and last[0] == f"outer{tag_epoch}f{index}":
+            if last is not None and last[0] == self.schedule.round_tag(tag_epoch, index):
                 return last[1]
         return None
 
@@ -565,7 +534,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         weight = self._write_pseudo_gradient(fragment)
         control = fragment.scheduled
         fragment.scheduled = None
-        tag = f"outer{self.local_epoch}f{fragment.index}"
+        tag = self.schedule.round_tag(self.local_epoch, fragment.index)
         if control is not None and (control.done() or control.round_tag != tag):
             control.cancel()
             control = None
@@ -629,21 +598,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if not 0 < epoch_length < math.inf:  # no swarm ETA yet (epoch 0): our own pace
             own_rate = self.tracker.performance_ema.samples_per_second
             epoch_length = self.num_inner_steps * self.batch_size / own_rate if own_rate else 0
-        if num_peers <= 1 or not 0 < epoch_length < math.inf:
-            return None
         payload = 0.0
         for index, master in enumerate(self._masters):
             info = CompressionInfo.from_tensor(master, key=index)
             ratio = self.grad_compression.estimate_compression_ratio(info)
             payload += master.numel() * master.element_size() * ratio
-        payload /= len(self.fragments)
-        sent = 2 * (num_peers - 1) / num_peers * payload  # its parts out, its span back
-        measured = self._measured_bytes_per_round()
-        if measured is not None:  # what rounds really cost here, deflate included
-            sent = max(_PACE_MARGIN * measured, _MIN_SHARE_OF_ESTIMATE * sent)
-        window = self.fragment_pace * epoch_length / len(self.fragments)
-        timeout = self.averaging_timeout if self.averaging_timeout else 60.0
-        return max(sent / window, sent / (_MAX_PACED_SHARE_OF_TIMEOUT * timeout), 1024.0)
+        return fragment_send_rate(
+            payload_bytes=payload / len(self.fragments),
+            num_peers=num_peers,
+            window=self.schedule.pacing_window(epoch_length, self.fragment_pace),
+            measured_bytes=self._measured_bytes_per_round(),
+            timeout=self.averaging_timeout if self.averaging_timeout else 60.0,
+        )
 
     def _measured_bytes_per_round(self) -> float | None:
         """What the mean fragment's round writes through the pacer, from the bytes per
@@ -664,28 +630,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             fragment.counted_result = result
             numel = sum(self._masters[index].numel() for index in fragment.params)
             self._round_bytes.append((result.paced_bytes, numel))
-
-    def _wait_for_round(self, control: StepControl, epoch: int) -> Any:
-        """The round's result within averaging_timeout; None at once if it is still
-        looking for a group when peers already finished ``epoch`` (rounds carry the
-        epoch in their tag: it would wait out the timeout for nobody, and a peer that
-        pays that every epoch never catches up). The peer then finds itself behind and
-        loads the swarm's state."""
-        deadline = time.monotonic() + self.averaging_timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                return control.result(max(0.0, min(0.25, remaining)))
-            except concurrent.futures.TimeoutError:
-                if control.done():
-                    raise
-                if remaining <= 0.25:
-                    raise TimeoutError(f"the round took over {self.averaging_timeout} s") from None
-                if control.stage is AveragingStage.LOOKING_FOR_GROUP and (
-                    self.tracker.peers_ahead_of(epoch, refresh=False)
-                ):
-                    control.cancel()
-                    return None
 
     def _synced_digest(self, fragment: _Fragment) -> bytes:
         """A hash of this fragment's synced copy, shared in its round: members whose
@@ -738,7 +682,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         gathered = None
         if control is not None:
             try:
-                gathered = self._wait_for_round(control, fragment.running_epoch)
+                gathered = self.epochs.wait_for_round(control, fragment.running_epoch)
             except BaseException as e:
                 logger.log(self.status_loglevel, "%s: averaging failed: %r", self.run_id, e)
                 if not control.done():
@@ -781,7 +725,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 # the others averaged this epoch without us and moved on: their state
                 # holds what we missed. Waiting for the next once-per-epoch check kept a
                 # joiner in a swarm of 0.2-s epochs one epoch behind, alone, to the end
-                self._left_behind = True
+                self.epochs.mark_left_behind()
         members = set(fragment.params)
         with torch.no_grad(), self.state_averager.state_lock():
             saved = [m.grad for m in self._masters]
@@ -823,21 +767,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             for main, synced in zip(self.main_parameters, self._masters, strict=True):
                 main.copy_(synced.to(main.device))
 
-    def _alone(self) -> bool:
-        return self.tracker.global_progress.num_peers <= 1
-
-    def _found_peers_on_a_last_look(self) -> bool:
-        """About to sync alone: read the swarm's progress once more, since peers that
-        started with us may not be counted yet (a streaming run's first fragment, due a
-        few seconds after start, went alone on one peer of four, and every later round
-        then found the copies apart and re-averaged the whole model). True if it found
-        some."""
-        try:
-            self.tracker.refresh(timeout=self.matchmaking_time)
-        except Exception as e:
-            logger.debug("%s: refreshing progress failed: %r", self.run_id, e)
-        return not self._alone()
-
     def _outer_step(self) -> None:
         """The epoch is due: sync the model (streaming: launch any fragment not launched
         yet), wait for the round (plain DiLoCo; streaming's rounds go on in the
@@ -847,20 +776,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         # the wait counted, slow rounds made a longer "epoch", slower pacing and slower
         # rounds again (outer steps of 4, 10 and 18 s in one lab run)
         epoch_length = get_dht_time() - self._epoch_began
-        if self._alone():
-            self._found_peers_on_a_last_look()
-        streaming = len(self.fragments) > 1
+        self.epochs.look_again_if_alone()
+        streaming = self.schedule.streaming
         with self.tracker.pause_updates():
-            for fragment in self.fragments:
-                if fragment.synced_epoch < self.local_epoch:
-                    self._launch(fragment)
+            for index in self.schedule.left_for_outer_step(self.local_epoch, self._launched()):
+                self._launch(self.fragments[index])
             # plain DiLoCo's one round is the outer step; streaming's rounds go on
             self._apply_finished_fragments(wait=not streaming)
             self._resync_if_needed()
-            self.state_averager.local_epoch += 1
-            self.tracker.update_epoch(new_epoch=self.local_epoch)
+            self.epochs.enter_epoch(self.local_epoch + 1, offer_state=False)
             self._restart_epoch_count(epoch_length=epoch_length)
-            self._check_sync_on_next_update = True
             self._offer_state()
         logger.log(
             self.status_loglevel,
@@ -872,68 +797,25 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ staying in sync
 
-    def _should_load_state_from_peers(self) -> bool:
-        if self._left_behind:
-            self._left_behind = False
-            return True
-        if (
-            self._check_sync_on_next_update
-            and self.tracker.fetched_global_progress_this_epoch.is_set()
-        ):
-            self._check_sync_on_next_update = False
-            return self.local_epoch < self.tracker.global_epoch
-        return self.local_epoch < self.tracker.global_epoch - 1
-
-    def load_state_from_peers(self, **kwargs: Any) -> None:
-        """Download the synced parameters, the outer optimizer's state and the epoch; the
-        model continues from them (this peer's inner progress since its sync is dropped)."""
+    def _prepare_for_download(self) -> None:
+        """Rounds looking for a group are cancelled, rounds running are finished (the
+        download then replaces what they merged). This peer's inner progress since its
+        last sync is dropped with the state."""
         for fragment in self.fragments:
             if fragment.scheduled is not None:
                 fragment.scheduled.cancel()
                 fragment.scheduled = None
             if fragment.running is not None:
                 self._apply_fragment(fragment, fragment.running)
-        deadline = time.monotonic() + self.load_state_timeout
-        with self.tracker.pause_updates():
-            while (remaining := deadline - time.monotonic()) > 0:
-                try:
-                    loaded = self.state_averager.load_state_from_peers(timeout=remaining, **kwargs)
-                except ValidationError:
-                    raise
-                except Exception as e:
-                    logger.warning("%s: loading state failed (%r), retrying", self.run_id, e)
-                    loaded = None
-                if loaded is not None:
-                    break
-                if self.tracker.peers_ahead_of(self.local_epoch, timeout=remaining) == 0:
-                    break  # those ahead of us left: nothing newer to wait for
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-            if self.local_epoch < self.tracker.global_epoch - 1:
-                self.tracker.distrust_epochs_above(self.local_epoch)
-            self._restart_epoch_count()
-            for fragment in self.fragments:
-                fragment.residuals = None
-                fragment.synced_epoch = self.local_epoch - 1
-            self.tracker.update_epoch(new_epoch=self.local_epoch)
-            if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
 
-    # ------------------------------------------------------------------ metrics
+    def _continue_after_download(self) -> None:
+        self._restart_epoch_count()
+        for fragment in self.fragments:
+            fragment.residuals = None
+            fragment.synced_epoch = self.schedule.after_download(self.local_epoch)
 
-    def report(self, loss: Any = None) -> None:
-        """Tell ``swarmgrad monitor`` this peer's training loss (as
-        :meth:`.optimizer.Optimizer.report`)."""
-        if loss is not None and self.metrics is not None:
-            self.metrics.report_loss(loss)
-
-    def _collect_metrics(self) -> dict[str, Any]:
-        return training_fields(
-            "client" if self.client_mode else "trainer",
-            self.client_mode,
-            self.local_epoch,
-            self.tracker.performance_ema.samples_per_second,
-            [self.state_averager, *(f.averager for f in self.fragments)],
-        )
+    def _averagers(self) -> list[Any]:
+        return [self.state_averager, *(f.averager for f in self.fragments)]
 
     # ------------------------------------------------------------------ shutting down
 
@@ -945,9 +827,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         be lost (a round that ended after the peer's last step was dropped, and its
         synced copy differed from its group's). Rounds still looking for a group are
         cancelled. ``finish_rounds=False``: cancel everything at once."""
-        if self._closed:
+        if not self.epochs.begin_shutdown():
             return
-        self._closed = True
         for fragment in self.fragments:
             running = fragment.running
             if (
@@ -966,20 +847,19 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._shutdown_parts()
 
     def _shutdown_parts(self) -> None:
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.shutdown()
-        self.tracker.shutdown(timeout=1.0)
+        epochs = getattr(self, "epochs", None)
+        if epochs is not None:
+            epochs.say_goodbye(timeout=1.0)
+            epochs.close(f.averager for f in self.fragments)
+            return
+        self.tracker.shutdown(timeout=1.0)  # construction failed half-way
         for fragment in self.fragments:
             fragment.averager.shutdown()
         if getattr(self, "state_averager", None) is not None:
             self.state_averager.shutdown()
 
-    def __del__(self) -> None:
-        try:
-            if not self._closed and getattr(self, "fragments", None) is not None:
-                self.shutdown(finish_rounds=False)
-        except Exception:
-            pass
+    def _shutdown_when_collected(self) -> None:
+        self.shutdown(finish_rounds=False)
 
     def __repr__(self) -> str:
         return (

@@ -40,7 +40,6 @@ offloaded optimizer is refused rather than racing with backward.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import time
@@ -52,10 +51,10 @@ import torch
 
 from swarmgrad.averaging.allreduce import GroupMismatch
 from swarmgrad.averaging.offenders import without_bans
-from swarmgrad.averaging.step_control import AveragingStage, StepControl
+from swarmgrad.averaging.step_control import StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.dht.dht import DHT
-from swarmgrad.optim.diloco_mode import diloco_from_optimizer_arguments
+from swarmgrad.optim.epoch_machinery import EpochMachinery
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
 from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_fields
@@ -108,13 +107,16 @@ class Optimizer(torch.optim.Optimizer):
     """
 
     def __new__(cls, *args: Any, outer_optimizer: Any = None, **kwargs: Any) -> Any:
-        # DiLoCo mode (``diloco_mode.py``): the same arguments plus an outer optimizer
-        # build a DiLoCoOptimizer, whose __init__ ran already, so Python skips ours.
-        if outer_optimizer is None:
+        # DiLoCo mode: ``Optimizer(..., outer_optimizer=...)`` makes a DiLoCoMode, the
+        # DiLoCoOptimizer (a subclass of ours) whose __init__ takes our arguments; Python
+        # then calls that __init__ with them. Subclasses construct themselves.
+        if outer_optimizer is None or cls is not Optimizer:
             return super().__new__(cls)
         if args:
             raise TypeError("Optimizer takes keyword arguments only")
-        return diloco_from_optimizer_arguments(outer_optimizer=outer_optimizer, **kwargs)
+        from swarmgrad.optim.diloco_mode import DiLoCoMode  # diloco imports this module
+
+        return super().__new__(DiLoCoMode)
 
     def __init__(
         self,
@@ -226,13 +228,11 @@ class Optimizer(torch.optim.Optimizer):
         self.scheduled_grads: StepControl | None = None
         self.scheduled_state: StepControl | None = None
         self._group_error: BaseException | None = None
-        self._missed_round = False  # our gradient round found nobody while peers were there
         # synchronous mode: a state round among peers whose states are equal is skipped
         self._compare_states = not (use_local_updates or delay_optimizer_step or auxiliary)
         self._state_digest: tuple[tuple[int, int], bytes] | None = None  # (epoch, version)
         self._result_before_round: Any = None  # grad averager's last result, before ours
         self._states_equal = False
-        self._closed = False
 
         self.tracker = ProgressTracker(
             dht,
@@ -245,50 +245,37 @@ class Optimizer(torch.optim.Optimizer):
             **(tracker_opts or {}),
         )
         try:
-            averager_opts = dict(averager_opts or {})
-            # with a gradient averager, bans act there only (offenders.without_bans)
-            state_opts = averager_opts if use_local_updates else without_bans(averager_opts)
-            self.state_averager = TrainingStateAverager(
-                dht=dht,
-                prefix=f"{run_id}_state_averager",
+            self._make_averagers(
                 optimizer=optimizer,
                 params=params,
                 scheduler=scheduler,
-                offload_optimizer=offload_optimizer,
-                custom_gradients=offload_optimizer,
-                delta_rule_averaging=use_local_updates and delay_state_averaging,
-                compression=state_averaging_compression,
-                state_compression=load_state_compression,
+                use_local_updates=use_local_updates,
+                reuse_grad_buffers=reuse_grad_buffers,
+                grad_compression=grad_compression,
+                grad_averager_factory=grad_averager_factory,
+                state_averaging_compression=state_averaging_compression,
+                load_state_compression=load_state_compression,
                 average_opt_statistics=average_opt_statistics,
                 extra_tensors=extra_tensors,
                 performance_ema_alpha=performance_ema_alpha,
-                min_matchmaking_time=matchmaking_time,
-                allreduce_timeout=allreduce_timeout,
-                next_chunk_timeout=next_chunk_timeout,
-                shutdown_timeout=shutdown_timeout,
-                status_loglevel=self.status_loglevel,
-                client_mode=client_mode,
-                auxiliary=auxiliary,
-                start=True,
-                **state_opts,
+                averager_opts=dict(averager_opts or {}),
             )
-            self.grad_averager: GradientAverager | None = None
-            if not use_local_updates:
-                self.grad_averager = self._make_gradient_averager(
-                    grad_averager_factory,
-                    reuse_grad_buffers=reuse_grad_buffers,
-                    compression=grad_compression,
-                    **averager_opts,
-                )
-                # a peer banned for its gradients does not pull our parameters either
-                self.state_averager.follow_bans_of(self.grad_averager)
         except BaseException:
             self.tracker.shutdown(timeout=1.0)
             if getattr(self, "state_averager", None) is not None:
                 self.state_averager.shutdown()
             raise
-
-        self._check_sync_on_next_update = True
+        self.epochs = EpochMachinery(
+            run_id=run_id,
+            tracker=self.tracker,
+            state_averager=self.state_averager,
+            client_mode=client_mode,
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            load_state_timeout=load_state_timeout,
+            catch_up_without_state=True,
+            status_loglevel=self.status_loglevel,
+        )
         self._schema = self._parameter_schema()
         # time from the start of an epoch transition to the state averaging call, so that
         # the state round can be scheduled ahead too
@@ -296,17 +283,69 @@ class Optimizer(torch.optim.Optimizer):
         # torch.amp's GradScaler looks at this: with reused buffers it must not unscale
         # the accumulated gradients at every local step (see GradScaler)
         self._step_supports_amp_scaling = reuse_grad_buffers
-        self.metrics: MetricsPublisher | None = None
-        if metrics:
-            options = dict(metrics) if isinstance(metrics, dict) else {}
-            try:
-                self.metrics = MetricsPublisher(dht, run_id, self._collect_metrics, **options)
-            except BaseException:
-                self.shutdown()
-                raise
+        try:
+            self.epochs.start_metrics(dht, metrics, self._collect_metrics)
+        except BaseException:
+            self.shutdown()
+            raise
         self._initialized = True
 
     # ------------------------------------------------------------------ construction
+
+    def _make_averagers(
+        self,
+        *,
+        optimizer: Any,
+        params: Any,
+        scheduler: Any,
+        use_local_updates: bool,
+        reuse_grad_buffers: bool,
+        grad_compression: CompressionBase,
+        grad_averager_factory: GradientAveragerFactory | None,
+        state_averaging_compression: CompressionBase,
+        load_state_compression: CompressionBase,
+        average_opt_statistics: Sequence[str],
+        extra_tensors: Sequence[torch.Tensor],
+        performance_ema_alpha: float,
+        averager_opts: dict,
+    ) -> None:
+        """The state averager and, unless with local updates, the gradient averager."""
+        # with a gradient averager, bans act there only (offenders.without_bans)
+        state_opts = averager_opts if use_local_updates else without_bans(averager_opts)
+        self.state_averager = TrainingStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            optimizer=optimizer,
+            params=params,
+            scheduler=scheduler,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            delta_rule_averaging=use_local_updates and self.delay_state_averaging,
+            compression=state_averaging_compression,
+            state_compression=load_state_compression,
+            average_opt_statistics=average_opt_statistics,
+            extra_tensors=extra_tensors,
+            performance_ema_alpha=performance_ema_alpha,
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            next_chunk_timeout=self.next_chunk_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            status_loglevel=self.status_loglevel,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **state_opts,
+        )
+        self.grad_averager: GradientAverager | None = None
+        if not use_local_updates:
+            self.grad_averager = self._make_gradient_averager(
+                grad_averager_factory,
+                reuse_grad_buffers=reuse_grad_buffers,
+                compression=grad_compression,
+                **averager_opts,
+            )
+            # a peer banned for its gradients does not pull our parameters either
+            self.state_averager.follow_bans_of(self.grad_averager)
 
     def _make_gradient_averager(self, factory: Any, **kwargs: Any) -> GradientAverager:
         factory = factory if factory is not None else GradientAverager
@@ -388,9 +427,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = {**state_dict, "state": dict(state_dict["state"])}
-        if "local_epoch" in state_dict["state"]:
-            self.state_averager.local_epoch = int(state_dict["state"].pop("local_epoch"))
+        epoch = state_dict["state"].pop("local_epoch", None)
         self.state_averager.optimizer.load_state_dict(state_dict)
+        if epoch is not None:
+            self.epochs.set_epoch(epoch)
         self.state_averager._update_scheduler()
         self.state_averager.state_version += 1
 
@@ -435,7 +475,18 @@ class Optimizer(torch.optim.Optimizer):
 
     def is_synchronized_with_peers(self) -> bool:
         """Whether this peer is at most one epoch behind the swarm."""
-        return self.local_epoch >= self.tracker.global_epoch - 1
+        return self.epochs.is_synchronized()
+
+    @property
+    def metrics(self) -> MetricsPublisher | None:
+        """This peer's metrics record for ``swarmgrad monitor`` (None with metrics=False)."""
+        epochs = getattr(self, "epochs", None)
+        return None if epochs is None else epochs.metrics
+
+    @property
+    def _closed(self) -> bool:
+        epochs = getattr(self, "epochs", None)
+        return True if epochs is None else epochs.closed
 
     # ------------------------------------------------------------------ step
 
@@ -449,7 +500,7 @@ class Optimizer(torch.optim.Optimizer):
         and, when the swarm has reached ``target_batch_size``, move to the next epoch:
         average, update, maybe average the state. Returns the closure's loss."""
         if self._closed:
-            raise ValidationError("this Optimizer was shut down")
+            raise ValidationError(f"this {type(self).__name__} was shut down")
         if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
             raise ValidationError(
                 "grad_scaler must be a swarmgrad.GradScaler (torch's does not know that "
@@ -476,10 +527,10 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            if self.metrics is not None and is_scalar_loss(loss):
-                self.metrics.report_loss(loss)
+            if is_scalar_loss(loss):
+                self.epochs.report_loss(loss)
 
-        if not self.auxiliary and (self._missed_round or self._should_load_state_from_peers()):
+        if not self.auxiliary and self.epochs.should_load_state():
             logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
             self.load_state_from_peers()
             return loss  # these gradients were computed on stale parameters
@@ -513,21 +564,23 @@ class Optimizer(torch.optim.Optimizer):
         tensor); each metrics record carries the mean of the losses reported since the
         previous one. ``step(closure)`` reports the closure's loss itself. Does nothing
         when the Optimizer was made with ``metrics=False``."""
-        if loss is not None and self.metrics is not None:
-            self.metrics.report_loss(loss)
+        self.epochs.report_loss(loss)
 
     def _collect_metrics(self) -> dict[str, Any]:
-        """The fields of this peer's metrics record that the Optimizer knows (called on
+        """The fields of this peer's metrics record that the optimizer knows (called on
         the event loop thread by the MetricsPublisher)."""
-        averagers = [a for a in (self.state_averager, self.grad_averager) if a is not None]
         role = "auxiliary" if self.auxiliary else "client" if self.client_mode else "trainer"
         return training_fields(
             role,
             self.client_mode,
             self.local_epoch,
             self.tracker.performance_ema.samples_per_second,
-            averagers,
+            self._averagers(),
         )
+
+    def _averagers(self) -> list[Any]:
+        """Every averager of this optimizer, the state averager first."""
+        return [a for a in (self.state_averager, self.grad_averager) if a is not None]
 
     def _accumulate(self, batch_size: int, grad_scaler: GradScaler | None) -> bool:
         """Add this batch's gradients; False (and a reset) if they are not finite."""
@@ -552,13 +605,7 @@ class Optimizer(torch.optim.Optimizer):
                 "the optimizer's parameters changed shape or dtype during training; every "
                 "peer of a run must keep the same tensors"
             )
-        if self.tracker.global_progress.num_peers <= 1:
-            # About to step alone: look once more, in case peers started with us unseen
-            # (a read costs one DHT lookup; a lone epoch costs the swarm its sync).
-            try:
-                self.tracker.refresh(timeout=self.matchmaking_time)
-            except Exception as e:
-                logger.debug("%s: refreshing progress failed: %r", self.run_id, e)
+        self.epochs.look_again_if_alone()
         began = time.perf_counter()
         with self.tracker.pause_updates():
             wait_for_trigger = None
@@ -617,15 +664,12 @@ class Optimizer(torch.optim.Optimizer):
                 self._release(self.scheduled_state)
             self.scheduled_state = None
 
-            self.tracker.update_epoch(new_epoch=self.state_averager.local_epoch)
-            self._check_sync_on_next_update = True
-            if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
+            self.epochs.enter_epoch(self.state_averager.local_epoch)
             if self.use_gradient_averaging and not self.auxiliary:
                 assert self.grad_averager is not None
                 self.grad_averager.reset_accumulated_grads_()
             logger.log(self.status_loglevel, "%s: now at epoch %d", self.run_id, self.local_epoch)
-        if self._missed_round and not self.delay_grad_averaging and not self.auxiliary:
+        if self.epochs.left_behind and not self.delay_grad_averaging and not self.auxiliary:
             # our update used our own gradients while the swarm used its average: take
             # the swarm's state now, before the next batch is computed on ours
             self.load_state_from_peers()
@@ -680,7 +724,7 @@ class Optimizer(torch.optim.Optimizer):
         # the next state round brings everyone together without a download)
         ahead_of = self.local_epoch - 1
         try:
-            gathered = self._wait_for_round(control)
+            gathered = self.epochs.wait_for_round(control, self.local_epoch, "gradient round")
         except GroupMismatch as e:
             self._group_error = e  # our tensors are not the run's: the user must know
             gathered, ahead_of = None, None
@@ -710,7 +754,7 @@ class Optimizer(torch.optim.Optimizer):
                     self.run_id,
                     self.local_epoch,
                 )
-                self._missed_round = True
+                self.epochs.mark_left_behind()
             # The buffers hold this peer's mean gradient (loaded before the round began),
             # or whole spans of the average where a failed round got that far: either is
             # a fair gradient. Not reloaded from the accumulators, which may already hold
@@ -750,52 +794,6 @@ class Optimizer(torch.optim.Optimizer):
             and result.fully_averaged
             and not result.deadline_exceeded
         )
-
-    def _wait_for_round(self, control: StepControl) -> Any:
-        """The round's result, within averaging_timeout. A round still looking for its
-        group once peers have moved past our epoch, or once every other peer has left,
-        will never find one (rounds are tagged with the epoch): it is cancelled rather
-        than waited for."""
-        began = time.monotonic()
-        deadline, asked = began + self.averaging_timeout, False
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                return control.result(max(0.0, min(0.25, remaining)))
-            except concurrent.futures.TimeoutError:
-                if control.done():
-                    raise  # the round's own error
-                if remaining <= 0.25:
-                    raise TimeoutError(
-                        f"the gradient round took over {self.averaging_timeout} s"
-                    ) from None
-                if control.stage is not AveragingStage.LOOKING_FOR_GROUP:
-                    continue
-                if not asked and time.monotonic() - began > self.matchmaking_time:
-                    # no group within a matchmaking time: read the swarm now (and, while
-                    # the epoch ends, every min_refresh_period) to learn who is left
-                    self.tracker.request_fetch()
-                    asked = True
-                moved_on = self.tracker.peers_ahead_of(self.local_epoch, refresh=False)
-                if moved_on:
-                    control.cancel()
-                    logger.log(
-                        self.status_loglevel,
-                        "%s: %d peer(s) finished epoch %d without us",
-                        self.run_id,
-                        moved_on,
-                        self.local_epoch,
-                    )
-                    return None
-                if self.tracker.others_left():
-                    control.cancel()
-                    logger.log(
-                        self.status_loglevel,
-                        "%s: every other peer left during epoch %d: no group to wait for",
-                        self.run_id,
-                        self.local_epoch,
-                    )
-                    return None
 
     def _use_averaged_gradients(self) -> None:
         """Put the averaged gradients where the optimizer reads them."""
@@ -890,80 +888,28 @@ class Optimizer(torch.optim.Optimizer):
             self.scheduled_grads.cancel()
         self.scheduled_grads = None
         with self.tracker.pause_updates():
-            self.state_averager.local_epoch = self.tracker.global_epoch
-            self.tracker.update_epoch(new_epoch=self.local_epoch)
-
-    def _should_load_state_from_peers(self) -> bool:
-        """Once per epoch, after a fresh read of the swarm's progress, a peer must be at
-        the swarm's epoch exactly; otherwise only when it is more than one behind (it may
-        be about to move with the others)."""
-        if (
-            self._check_sync_on_next_update
-            and self.tracker.fetched_global_progress_this_epoch.is_set()
-        ):
-            self._check_sync_on_next_update = False
-            return self.local_epoch != self.tracker.global_epoch
-        return self.local_epoch < self.tracker.global_epoch - 1
+            self.epochs.enter_epoch(self.tracker.global_epoch, offer_state=False)
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
-        """Download the freshest state of the run (parameters, optimizer, scheduler, epoch)
-        and continue from it. Retries until ``load_state_timeout``; if no donor has a
-        state as new as some peers claim, those claims are ignored from then on."""
+        """Download the freshest state of the run and continue from it (retried until
+        ``load_state_timeout``; :meth:`.EpochMachinery.load_state`)."""
+        self._prepare_for_download()
+        self.epochs.load_state(after=self._continue_after_download, **kwargs)
+
+    def _prepare_for_download(self) -> None:
+        """Rounds in flight go ahead without this peer's contribution; a delayed update
+        finishes before the state it applies to is replaced."""
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
-        self._missed_round = False
-        deadline = time.monotonic() + self.load_state_timeout
-        with self.tracker.pause_updates():
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    logger.warning(
-                        "%s: no state could be loaded within %.0f s; continuing from our own",
-                        self.run_id,
-                        self.load_state_timeout,
-                    )
-                    break
-                try:
-                    loaded = self.state_averager.load_state_from_peers(timeout=remaining, **kwargs)
-                except ValidationError:
-                    raise  # the run's state does not fit our model: retrying cannot help
-                except Exception as e:
-                    logger.warning("%s: loading state failed (%r), retrying", self.run_id, e)
-                    time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                    continue
-                if loaded is None:
-                    if self.tracker.peers_ahead_of(self.local_epoch, timeout=remaining) == 0:
-                        # those we were behind have left (a goodbye, or their records
-                        # expired): there is nothing newer to wait for
-                        logger.log(
-                            self.status_loglevel,
-                            "%s: no donor answered and no peer is ahead any more; "
-                            "continuing from our own state",
-                            self.run_id,
-                        )
-                        break
-                    logger.log(self.status_loglevel, "%s: no donor answered", self.run_id)
-                    time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                    continue
-                break
-            global_epoch = self.tracker.global_epoch
-            if self.local_epoch < global_epoch - 1:
-                # the best donor is older than what some peers claim: they cannot back it
-                self.tracker.distrust_epochs_above(self.local_epoch)
-            elif self.local_epoch < global_epoch:
-                logger.log(
-                    self.status_loglevel, "%s: catching up with epoch %d", self.run_id, global_epoch
-                )
-                self.state_averager.local_epoch = global_epoch
-                self.state_averager._update_scheduler()
-            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
-            if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
-            if self.use_gradient_averaging:
-                assert self.grad_averager is not None
-                self.grad_averager.reset_accumulated_grads_()
+
+    def _continue_after_download(self) -> None:
+        """Gradients accumulated on the old parameters are dropped."""
+        self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+        if self.use_gradient_averaging:
+            assert self.grad_averager is not None
+            self.grad_averager.reset_accumulated_grads_()
 
     def _tag_along_with_zero_weight(self, control: StepControl) -> None:
         """Let a scheduled round go ahead without our contribution (cancelling it would
@@ -992,13 +938,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def shutdown(self) -> None:
         """Say goodbye, finish pending work and leave (idempotent)."""
-        if self._closed:
+        if not self.epochs.begin_shutdown():
             return
-        self._closed = True
         logger.log(self.status_loglevel, "%s: leaving", self.run_id)
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.shutdown(min(2.0, self.shutdown_timeout))
-        self.tracker.shutdown(self.shutdown_timeout)
+        self.epochs.say_goodbye(self.shutdown_timeout)
         if self.state_averager.drop_round_without_group():
             logger.log(self.status_loglevel, "%s: dropped a state round with no group", self.run_id)
         self.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
@@ -1006,14 +949,16 @@ class Optimizer(torch.optim.Optimizer):
             if control is not None:
                 self._release(control)
         self.scheduled_grads = self.scheduled_state = None
-        self.state_averager.shutdown()
-        if self.grad_averager is not None:
-            self.grad_averager.shutdown()
+        self.epochs.close([self.grad_averager])
+
+    def _shutdown_when_collected(self) -> None:
+        """What ``__del__`` does with an optimizer nobody shut down."""
+        self.shutdown()
 
     def __del__(self) -> None:
-        if getattr(self, "_parent_pid", None) == os.getpid() and not getattr(self, "_closed", True):
+        if getattr(self, "_parent_pid", None) == os.getpid() and not self._closed:
             try:
-                self.shutdown()
+                self._shutdown_when_collected()
             except Exception:  # interpreter shutdown: nothing left to talk to
                 pass
 
