@@ -1,0 +1,252 @@
+"""The epoch machinery that Optimizer and DiLoCoOptimizer share: the one rule for when a
+peer loads the swarm's state, tested as a function, on a machinery driven by a stand-in
+tracker, and on real optimizers (a peer restored ahead of the swarm keeps its epoch)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from types import SimpleNamespace
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from optim_helpers import dht_swarm, make_model, make_optimizer
+
+import swarmgrad
+from swarmgrad.compression import NoCompression
+from swarmgrad.optim.diloco import DiLoCoOptimizer
+from swarmgrad.optim.epoch_machinery import EpochMachinery, must_load_state
+
+epochs = st.integers(min_value=0, max_value=10**6)
+
+
+@given(local=epochs, swarm=epochs, fresh=st.booleans())
+def test_a_peer_loads_state_only_when_behind_never_when_ahead(local, swarm, fresh):
+    decision = must_load_state(local, swarm, fresh_read=fresh)
+    if local >= swarm:
+        assert not decision  # ahead or level: nothing newer to download
+    elif fresh:
+        assert decision  # a read of this epoch: any epoch behind is behind
+    else:
+        assert decision == (local < swarm - 1)  # the others may have just moved
+
+
+def test_the_rule_at_the_boundaries():
+    assert must_load_state(3, 4, fresh_read=True)
+    assert not must_load_state(3, 4, fresh_read=False)
+    assert must_load_state(2, 4, fresh_read=False)
+    assert not must_load_state(5, 4, fresh_read=True)  # `!=` would have sent it back
+
+
+class _Tracker:
+    """The part of ProgressTracker the machinery reads, with the swarm's epoch and the
+    answers of reads set by the test."""
+
+    def __init__(self, global_epoch: int = 0, peers_ahead: int = 0):
+        self.global_epoch = global_epoch
+        self.peers_ahead = peers_ahead
+        self.fetched_global_progress_this_epoch = threading.Event()
+        self.global_progress = SimpleNamespace(num_peers=2)
+        self.published: list[int] = []
+        self.distrusted: list[int] = []
+
+    @contextlib.contextmanager
+    def pause_updates(self):
+        yield
+
+    def update_epoch(self, new_epoch: int) -> int:
+        self.published.append(new_epoch)
+        self.global_epoch = max(self.global_epoch, new_epoch)
+        self.fetched_global_progress_this_epoch.clear()
+        return new_epoch
+
+    def peers_ahead_of(self, epoch: int, timeout=None, *, refresh=True) -> int:
+        return self.peers_ahead
+
+    def distrust_epochs_above(self, epoch: int) -> None:
+        self.distrusted.append(epoch)
+        self.global_epoch = epoch
+
+
+class _StateAverager:
+    def __init__(self, local_epoch: int = 0, donor_epoch: int | None = None):
+        self.local_epoch = local_epoch
+        self.donor_epoch = donor_epoch
+        self.state_sharing_priority = None
+        self.scheduler_updates = 0
+
+    def load_state_from_peers(self, timeout=None, **kwargs):
+        if self.donor_epoch is None:
+            return None
+        self.local_epoch = self.donor_epoch
+        return ({}, [])
+
+    def _update_scheduler(self) -> None:
+        self.scheduler_updates += 1
+
+
+def _machinery(tracker, averager, *, catch_up=True, client_mode=False) -> EpochMachinery:
+    return EpochMachinery(
+        run_id="run",
+        tracker=tracker,
+        state_averager=averager,
+        client_mode=client_mode,
+        matchmaking_time=1.0,
+        averaging_timeout=5.0,
+        load_state_timeout=0.5,
+        catch_up_without_state=catch_up,
+    )
+
+
+def test_one_epoch_behind_counts_on_the_first_fresh_read_of_an_epoch_only():
+    tracker, averager = _Tracker(global_epoch=4), _StateAverager(local_epoch=3)
+    machinery = _machinery(tracker, averager)
+    assert not machinery.should_load_state()  # no read of this epoch yet
+    tracker.fetched_global_progress_this_epoch.set()
+    assert machinery.should_load_state()  # the once-per-epoch check
+    assert not machinery.should_load_state()  # used up until the next epoch
+    machinery.enter_epoch(3)
+    tracker.fetched_global_progress_this_epoch.set()
+    assert machinery.should_load_state()  # armed again by the epoch move
+
+
+def test_a_round_that_found_the_others_gone_ahead_asks_for_state_at_once():
+    tracker, averager = _Tracker(global_epoch=3), _StateAverager(local_epoch=3)
+    machinery = _machinery(tracker, averager)
+    machinery.mark_left_behind()
+    assert machinery.should_load_state() and machinery.left_behind
+    machinery.load_state()  # no donor, nobody ahead: gives up at once
+    assert not machinery.left_behind and not machinery.should_load_state()
+
+
+def test_a_download_one_epoch_old_catches_up_only_where_the_optimizer_allows_it():
+    for catch_up, expected in ((True, 5), (False, 4)):
+        tracker, averager = _Tracker(global_epoch=5), _StateAverager(1, donor_epoch=4)
+        machinery = _machinery(tracker, averager, catch_up=catch_up)
+        machinery.load_state()
+        assert machinery.local_epoch == expected
+        assert tracker.published[-1] == expected
+        assert averager.state_sharing_priority == expected  # offered to joiners
+        assert averager.scheduler_updates == (1 if catch_up else 0)
+        assert tracker.distrusted == []
+
+
+def test_claims_no_donor_can_back_are_distrusted_and_client_peers_offer_nothing():
+    tracker, averager = _Tracker(global_epoch=9), _StateAverager(1, donor_epoch=4)
+    machinery = _machinery(tracker, averager, client_mode=True)
+    machinery.load_state()
+    assert tracker.distrusted == [4] and machinery.local_epoch == 4
+    assert averager.state_sharing_priority is None
+
+
+def test_load_state_gives_up_after_its_timeout_while_peers_stay_ahead():
+    tracker, averager = _Tracker(global_epoch=2, peers_ahead=1), _StateAverager(0)
+    machinery = _machinery(tracker, averager, catch_up=False)
+    calls = []
+    machinery.load_state(after=lambda: calls.append(averager.local_epoch))
+    assert calls == [0] and machinery.local_epoch == 0
+    assert tracker.distrusted == [0]  # two epochs ahead and no donor: not backed
+
+
+def test_a_peer_restored_ahead_of_the_swarm_keeps_its_epoch_and_publishes_it():
+    """load_state_dict of a later checkpoint: the tracker counts the restored epoch at
+    once, and the peer is not sent back to the swarm's older state (the `!=` rule did)."""
+    with dht_swarm(1) as (dht,):
+        model = make_model(seed=0)
+        opt = make_optimizer(dht, model, run_id="restored")
+        try:
+            saved = opt.state_dict()
+            saved["state"]["local_epoch"] = 5
+            opt.load_state_dict(saved)
+            assert opt.local_epoch == 5 and opt.tracker.global_epoch == 5
+            assert opt.tracker.local_progress.epoch == 5
+            opt.tracker.refresh(timeout=5)
+            assert opt.tracker.fetched_global_progress_this_epoch.is_set()
+            assert not opt.epochs.should_load_state()
+            assert opt.is_synchronized_with_peers()
+        finally:
+            opt.shutdown()
+
+
+def _nesterov(params):
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def test_diloco_mode_and_diloco_optimizer_are_optimizers():
+    with dht_swarm(1) as (dht,):
+        mode = make_optimizer(dht, make_model(), run_id="mode", outer_optimizer=_nesterov)
+        direct = DiLoCoOptimizer(
+            dht=dht,
+            run_id="direct",
+            batch_size=8,
+            num_inner_steps=4,
+            inner_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            params=make_model().parameters(),
+        )
+        try:
+            for opt in (mode, direct):
+                assert isinstance(opt, swarmgrad.Optimizer)
+                assert isinstance(opt, swarmgrad.DiLoCoOptimizer)
+                assert opt.opt is opt.inner_optimizer
+                assert opt.use_local_updates and not opt.use_gradient_averaging
+                assert opt.is_synchronized_with_peers()
+            assert mode.num_inner_steps == 8  # target 64 / 8 per step
+        finally:
+            mode.shutdown()
+            direct.shutdown()
+        assert mode._closed and direct._closed
+
+
+#: hivemind 1.1.12's ``Optimizer.__init__``: keyword-only names and defaults, in order
+#: (``...``: required). Ours may add keywords after these, never change them.
+_HIVEMIND_1_1_12 = (
+    ("dht", ...),
+    ("run_id", ...),
+    ("target_batch_size", ...),
+    ("batch_size_per_step", None),
+    ("optimizer", ...),
+    ("params", None),
+    ("scheduler", None),
+    ("matchmaking_time", 15.0),
+    ("averaging_timeout", 60.0),
+    ("allreduce_timeout", None),
+    ("next_chunk_timeout", None),
+    ("load_state_timeout", 600.0),
+    ("reuse_grad_buffers", False),
+    ("offload_optimizer", None),
+    ("delay_optimizer_step", None),
+    ("delay_grad_averaging", False),
+    ("delay_state_averaging", True),
+    ("average_state_every", 1),
+    ("use_local_updates", False),
+    ("client_mode", None),
+    ("auxiliary", False),
+    ("grad_compression", NoCompression),
+    ("grad_averager_factory", None),
+    ("state_averaging_compression", NoCompression),
+    ("load_state_compression", NoCompression),
+    ("average_opt_statistics", ()),
+    ("extra_tensors", ()),
+    ("averager_opts", None),
+    ("tracker_opts", None),
+    ("performance_ema_alpha", 0.1),
+    ("shutdown_timeout", 5),
+    ("verbose", False),
+)
+
+
+def test_the_optimizer_signature_starts_with_hivemind_1_1_12s():
+    parameters = list(inspect.signature(swarmgrad.Optimizer.__init__).parameters.values())[1:]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters)
+    for parameter, (name, default) in zip(parameters, _HIVEMIND_1_1_12, strict=False):
+        assert parameter.name == name
+        if default is ...:
+            assert parameter.default is inspect.Parameter.empty, name
+        elif default is NoCompression:
+            assert isinstance(parameter.default, NoCompression), name
+        else:
+            assert parameter.default == default and type(parameter.default) is type(default), name
+    added = [p for p in parameters[len(_HIVEMIND_1_1_12) :]]
+    assert all(p.default is not inspect.Parameter.empty for p in added)
