@@ -84,9 +84,7 @@ class FragmentSchedule:
         the epoch's end is left to the outer step (:meth:`left_for_outer_step`)."""
         self._check(launched)
         return [
-            index
-            for index in range(self.num_fragments)
-            if launched[index] < epoch and progress >= self.due_fraction(index) < 1.0
+            index for index, due in self.upcoming(epoch, launched) if due < 1.0 and progress >= due
         ]
 
     def upcoming(self, epoch: int, launched: Sequence[int]) -> list[tuple[int, float]]:
