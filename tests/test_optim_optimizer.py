@@ -721,31 +721,31 @@ def test_states_count_as_equal_only_after_a_whole_round_with_fresh_digests():
             opt = opts[0]
             result = opt.grad_averager.last_result
             assert result is not None and result.fully_averaged
-            mine = opt._digest_of_this_epoch()
+            mine = opt.rounds.digest()
             gathered = {"a": mine, "b": mine}
-            assert opt._round_left_states_equal(gathered)
+            assert opt.rounds.left_states_equal(gathered)
 
-            assert not opt._round_left_states_equal({"a": mine, "b": b"other"})
-            assert not opt._round_left_states_equal({"a": mine})  # a peer was not in it
-            opt._result_before_round = result  # no new round finished
-            assert not opt._round_left_states_equal(gathered)
-            opt._result_before_round = None
+            assert not opt.rounds.left_states_equal({"a": mine, "b": b"other"})
+            assert not opt.rounds.left_states_equal({"a": mine})  # a peer was not in it
+            opt.rounds.result_before_round = result  # no new round finished
+            assert not opt.rounds.left_states_equal(gathered)
+            opt.rounds.result_before_round = None
             for partial in (
                 dataclasses.replace(result, local_spans=frozenset({1})),
                 dataclasses.replace(result, deadline_exceeded=True),
             ):
                 opt.grad_averager._core.last_result = partial
-                assert not opt._round_left_states_equal(gathered)
+                assert not opt.rounds.left_states_equal(gathered)
             opt.grad_averager._core.last_result = result
-            assert opt._round_left_states_equal(gathered)
+            assert opt.rounds.left_states_equal(gathered)
 
             # a background state round (or a download) changes the state after the
             # digest was sent: the digest is recomputed and the old one no longer counts
             with opt.state_averager.state_lock(), torch.no_grad():
                 opt.opt.param_groups[0]["params"][0].add_(1.0)  # the master copy
                 opt.state_averager.state_version += 1
-            assert opt._digest_of_this_epoch() != mine
-            assert not opt._round_left_states_equal(gathered)
+            assert opt.rounds.digest() != mine
+            assert not opt.rounds.left_states_equal(gathered)
         finally:
             shutdown_all(*opts)
 

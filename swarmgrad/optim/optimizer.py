@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.allreduce import GroupMismatch
 from swarmgrad.averaging.offenders import without_bans
 from swarmgrad.averaging.step_control import StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
@@ -57,19 +56,37 @@ from swarmgrad.dht.dht import DHT
 from swarmgrad.optim.epoch_machinery import EpochMachinery
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
+from swarmgrad.optim.gradient_rounds import GradientRounds, release
 from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_fields
+from swarmgrad.optim.optimizer_setup import (
+    check_arguments,
+    check_modes,
+    make_gradient_averager,
+    make_state_averager,
+)
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.optim.progress import LocalTrainingProgress
 from swarmgrad.optim.progress_tracker import ProgressTracker
-from swarmgrad.optim.state_averager import TrainingStateAverager
-from swarmgrad.utils.checks import check_peer_role, optional_positive_seconds, positive_int
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = ["Optimizer"]
 
 logger = logging.getLogger(__name__)
+
+#: Optimizer arguments that go to the state averager as they are
+_STATE_AVERAGER_OPTIONS = (
+    "optimizer",
+    "params",
+    "scheduler",
+    "state_averaging_compression",
+    "load_state_compression",
+    "average_opt_statistics",
+    "extra_tensors",
+    "performance_ema_alpha",
+)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -162,24 +179,21 @@ class Optimizer(torch.optim.Optimizer):
                 "diloco_opts needs outer_optimizer (DiLoCo mode); without it, leave it out"
             )
         self._parent_pid = os.getpid()
-        positive_int("target_batch_size", target_batch_size)
-        if batch_size_per_step is not None:
-            positive_int("batch_size_per_step", batch_size_per_step)
-        positive_int("average_state_every", average_state_every)
-        for name, value in (
-            ("matchmaking_time", matchmaking_time),
-            ("averaging_timeout", averaging_timeout),
-            ("allreduce_timeout", allreduce_timeout),
-            ("next_chunk_timeout", next_chunk_timeout),
-            ("load_state_timeout", load_state_timeout),
-            ("shutdown_timeout", shutdown_timeout),
-        ):
-            optional_positive_seconds(name, value)
-        if not isinstance(run_id, str) or not run_id:
-            raise ValidationError(f"run_id must be a non-empty str, got {run_id!r}")
-        if dht.peer is None:
-            raise ValidationError("the DHT is not running: start it before the Optimizer")
-
+        check_arguments(
+            dht=dht,
+            run_id=run_id,
+            target_batch_size=target_batch_size,
+            batch_size_per_step=batch_size_per_step,
+            average_state_every=average_state_every,
+            timeouts={
+                "matchmaking_time": matchmaking_time,
+                "averaging_timeout": averaging_timeout,
+                "allreduce_timeout": allreduce_timeout,
+                "next_chunk_timeout": next_chunk_timeout,
+                "load_state_timeout": load_state_timeout,
+                "shutdown_timeout": shutdown_timeout,
+            },
+        )
         # hivemind reads `client_mode if client_mode is None else dht.client_mode`, which
         # drops an explicit client_mode=True; here an explicit value wins.
         client_mode = dht.client_mode if client_mode is None else bool(client_mode)
@@ -194,7 +208,7 @@ class Optimizer(torch.optim.Optimizer):
         # matchmaking_time, which turned a short matchmaking window into a fixed per-part
         # deadline that excluded every peer on a slow link (the averagers' own waits adapt
         # to the throughput they see, see averaging/deadlines.py)
-        _check_modes(
+        check_modes(
             client_mode=client_mode,
             auxiliary=auxiliary,
             batch_size_per_step=batch_size_per_step,
@@ -225,14 +239,8 @@ class Optimizer(torch.optim.Optimizer):
         self.load_state_timeout, self.shutdown_timeout = load_state_timeout, shutdown_timeout
         self.next_chunk_timeout = next_chunk_timeout
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
-        self.scheduled_grads: StepControl | None = None
         self.scheduled_state: StepControl | None = None
-        self._group_error: BaseException | None = None
         # synchronous mode: a state round among peers whose states are equal is skipped
-        self._compare_states = not (use_local_updates or delay_optimizer_step or auxiliary)
-        self._state_digest: tuple[tuple[int, int], bytes] | None = None  # (epoch, version)
-        self._result_before_round: Any = None  # grad averager's last result, before ours
-        self._states_equal = False
 
         self.tracker = ProgressTracker(
             dht,
@@ -276,6 +284,21 @@ class Optimizer(torch.optim.Optimizer):
             catch_up_without_state=True,
             status_loglevel=self.status_loglevel,
         )
+        self.rounds: GradientRounds | None = None
+        if self.grad_averager is not None:
+            self.rounds = GradientRounds(
+                run_id=run_id,
+                averager=self.grad_averager,
+                state_averager=self.state_averager,
+                tracker=self.tracker,
+                epochs=self.epochs,
+                offload_optimizer=offload_optimizer,
+                # synchronous mode: a state round among peers whose states are equal is skipped
+                compare_states=not (delay_optimizer_step or auxiliary),
+                matchmaking_time=matchmaking_time,
+                averaging_timeout=averaging_timeout,
+                status_loglevel=self.status_loglevel,
+            )
         self._schema = self._parameter_schema()
         # time from the start of an epoch transition to the state averaging call, so that
         # the state round can be scheduled ahead too
@@ -292,86 +315,42 @@ class Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction
 
-    def _make_averagers(
-        self,
-        *,
-        optimizer: Any,
-        params: Any,
-        scheduler: Any,
-        use_local_updates: bool,
-        reuse_grad_buffers: bool,
-        grad_compression: CompressionBase,
-        grad_averager_factory: GradientAveragerFactory | None,
-        state_averaging_compression: CompressionBase,
-        load_state_compression: CompressionBase,
-        average_opt_statistics: Sequence[str],
-        extra_tensors: Sequence[torch.Tensor],
-        performance_ema_alpha: float,
-        averager_opts: dict,
-    ) -> None:
-        """The state averager and, unless with local updates, the gradient averager."""
+    def _make_averagers(self, *, use_local_updates: bool, averager_opts: dict, **options: Any):
+        """The state averager and, unless with local updates, the gradient averager
+        (:mod:`.optimizer_setup`)."""
+        common = {
+            "dht": self.dht,
+            "run_id": self.run_id,
+            "matchmaking_time": self.matchmaking_time,
+            "allreduce_timeout": self.allreduce_timeout,
+            "next_chunk_timeout": self.next_chunk_timeout,
+            "shutdown_timeout": self.shutdown_timeout,
+            "client_mode": self.client_mode,
+            "auxiliary": self.auxiliary,
+        }
         # with a gradient averager, bans act there only (offenders.without_bans)
         state_opts = averager_opts if use_local_updates else without_bans(averager_opts)
-        self.state_averager = TrainingStateAverager(
-            dht=self.dht,
-            prefix=f"{self.run_id}_state_averager",
-            optimizer=optimizer,
-            params=params,
-            scheduler=scheduler,
+        self.state_averager = make_state_averager(
+            **common,
             offload_optimizer=self.offload_optimizer,
-            custom_gradients=self.offload_optimizer,
             delta_rule_averaging=use_local_updates and self.delay_state_averaging,
-            compression=state_averaging_compression,
-            state_compression=load_state_compression,
-            average_opt_statistics=average_opt_statistics,
-            extra_tensors=extra_tensors,
-            performance_ema_alpha=performance_ema_alpha,
-            min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout,
-            next_chunk_timeout=self.next_chunk_timeout,
-            shutdown_timeout=self.shutdown_timeout,
             status_loglevel=self.status_loglevel,
-            client_mode=self.client_mode,
-            auxiliary=self.auxiliary,
-            start=True,
-            **state_opts,
+            averager_opts=state_opts,
+            **{k: options[k] for k in _STATE_AVERAGER_OPTIONS},
         )
         self.grad_averager: GradientAverager | None = None
         if not use_local_updates:
-            self.grad_averager = self._make_gradient_averager(
-                grad_averager_factory,
-                reuse_grad_buffers=reuse_grad_buffers,
-                compression=grad_compression,
-                **averager_opts,
+            self.grad_averager = make_gradient_averager(
+                options["grad_averager_factory"],
+                self.state_averager,
+                **common,
+                offload_optimizer=self.offload_optimizer,
+                reuse_grad_buffers=options["reuse_grad_buffers"],
+                compression=options["grad_compression"],
+                averager_opts=averager_opts,
             )
             # a peer banned for its gradients does not pull our parameters either
             self.state_averager.follow_bans_of(self.grad_averager)
-
-    def _make_gradient_averager(self, factory: Any, **kwargs: Any) -> GradientAverager:
-        factory = factory if factory is not None else GradientAverager
-        averaged_grads = None
-        if self.offload_optimizer:
-            # the offloaded master copy's .grad buffers receive the average directly
-            averaged_grads = [p.grad for p in optimizer_parameters(self.state_averager.optimizer)]
-        try:
-            return factory(
-                self.state_averager.main_parameters,
-                dht=self.dht,
-                prefix=f"{self.run_id}_grad_averager",
-                min_matchmaking_time=self.matchmaking_time,
-                allreduce_timeout=self.allreduce_timeout,
-                next_chunk_timeout=self.next_chunk_timeout,
-                shutdown_timeout=self.shutdown_timeout,
-                client_mode=self.client_mode,
-                auxiliary=self.auxiliary,
-                averaged_grads=averaged_grads,
-                start=True,
-                **kwargs,
-            )
-        except ValidationError:
-            raise
-        except Exception as e:
-            raise ValidationError(f"grad_averager_factory raised {type(e).__name__}: {e}") from e
 
     def _parameter_schema(self) -> tuple:
         return tuple(
@@ -520,7 +499,8 @@ class Optimizer(torch.optim.Optimizer):
                 )
         elif batch_size is not None:
             positive_int("batch_size", batch_size)
-        self._raise_group_error()
+        if self.rounds is not None:
+            self.rounds.raise_group_error()
 
         self.state_averager.step(apply_delayed_updates=True)  # a finished background update
         loss = None
@@ -540,7 +520,7 @@ class Optimizer(torch.optim.Optimizer):
         if self.use_gradient_averaging:
             if not self.auxiliary and not self._accumulate(batch_size, grad_scaler):
                 return loss
-            self._maybe_schedule_gradient_averaging()
+            self.rounds.maybe_schedule()
             self._maybe_schedule_state_averaging()
         elif not self.auxiliary:
             if grad_scaler is not None:
@@ -613,13 +593,16 @@ class Optimizer(torch.optim.Optimizer):
                 logger.log(self.status_loglevel, "%s: epoch %d ends", self.run_id, self.local_epoch)
                 if self.delay_optimizer_step:
                     self.state_averager.step(wait_for_delayed_updates=True)
-                control = self._begin_averaging_gradients(grad_scaler)
+                if grad_scaler is not None:
+                    with grad_scaler.running_global_step():
+                        grad_scaler.unscale_(self)
+                control = self.rounds.begin()
                 if control is None:
-                    self._load_local_gradients()
+                    self.rounds.use_local()
                 elif self.delay_grad_averaging:
-                    wait_for_trigger = partial(self._finish_averaging_gradients, control)
+                    wait_for_trigger = partial(self.rounds.finish, control)
                 else:
-                    self._finish_averaging_gradients(control)
+                    self.rounds.finish(control)
 
             next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
             # the count is frozen while the epoch ends; a read since may show the others
@@ -632,7 +615,7 @@ class Optimizer(torch.optim.Optimizer):
                 self.state_averager.drop_round_without_group()
             # every peer of the swarm started this epoch with our state and applies the
             # same averaged gradients: a state round would move bytes and change nothing
-            states_equal, self._states_equal = self._states_equal, False
+            states_equal = self.rounds is not None and self.rounds.take_states_equal()
             average_state = (
                 swarm_not_empty
                 and next_epoch % self.average_state_every == 0
@@ -661,7 +644,7 @@ class Optimizer(torch.optim.Optimizer):
                 averaging_opts={"timeout": self.averaging_timeout} if average_state else None,
             )
             if self.scheduled_state is not None and self.scheduled_state is not state_control:
-                self._release(self.scheduled_state)
+                release(self.scheduled_state, self.averaging_timeout, self.run_id)
             self.scheduled_state = None
 
             self.epochs.enter_epoch(self.state_averager.local_epoch)
@@ -673,181 +656,6 @@ class Optimizer(torch.optim.Optimizer):
             # our update used our own gradients while the swarm used its average: take
             # the swarm's state now, before the next batch is computed on ours
             self.load_state_from_peers()
-
-    def _begin_averaging_gradients(self, grad_scaler: GradScaler | None) -> StepControl | None:
-        """Release this epoch's gradient round (scheduled earlier, or now); None if there
-        is nobody to average with."""
-        assert self.grad_averager is not None
-        if grad_scaler is not None:
-            with grad_scaler.running_global_step():
-                grad_scaler.unscale_(self)
-        control = self.scheduled_grads
-        self.scheduled_grads = None
-        tag = self._gradient_round_tag()
-        if control is not None and (control.triggered or control.done()):
-            control = None  # used up (e.g. by a state download meanwhile)
-        if control is not None and control.round_tag != tag:
-            control.cancel()  # scheduled for an epoch this peer has left (a download)
-            control = None
-        if self.tracker.global_progress.num_peers <= 1:
-            if control is not None:
-                control.cancel()
-            return None
-        self._result_before_round = self.grad_averager.last_result
-        try:
-            return self.grad_averager.step(
-                control=control,
-                reset_accumulators=False,
-                wait=False,
-                timeout=self.averaging_timeout,
-                **(
-                    {}
-                    if control is not None
-                    else {
-                        "round_tag": tag,
-                        "gather": self._digest_of_this_epoch(),
-                    }
-                ),
-            )
-        except Exception as e:
-            logger.warning("%s: could not start averaging gradients: %r", self.run_id, e)
-            if control is not None and not control.done():
-                control.cancel()
-            return None
-
-    def _finish_averaging_gradients(self, control: StepControl) -> None:
-        """Wait for the gradient round; on failure use the local gradients."""
-        assert self.grad_averager is not None
-        # who must have averaged without us for our state to be the odd one out: after a
-        # round that found nobody, any peer at our epoch; after a round that failed (a
-        # member died), only peers already past it (the others fell back as we did, and
-        # the next state round brings everyone together without a download)
-        ahead_of = self.local_epoch - 1
-        try:
-            gathered = self.epochs.wait_for_round(control, self.local_epoch, "gradient round")
-        except GroupMismatch as e:
-            self._group_error = e  # our tensors are not the run's: the user must know
-            gathered, ahead_of = None, None
-        except BaseException as e:
-            logger.log(self.status_loglevel, "%s: averaging gradients failed: %r", self.run_id, e)
-            if not control.done():
-                control.cancel()
-            gathered, ahead_of = None, self.local_epoch
-        if gathered:
-            logger.log(
-                self.status_loglevel,
-                "%s: averaged gradients with %d peers",
-                self.run_id,
-                len(gathered),
-            )
-            self._states_equal = self._round_left_states_equal(gathered)
-        else:
-            if ahead_of is not None and self._peers_ahead_of(
-                ahead_of, fresh=ahead_of == self.local_epoch
-            ):
-                # peers at our epoch (or beyond) averaged without us: their state is the
-                # swarm's; peers behind us (paused, slow) are no reason to go back
-                logger.log(
-                    self.status_loglevel,
-                    "%s: no group for epoch %d although peers are training: will load "
-                    "their state after this update",
-                    self.run_id,
-                    self.local_epoch,
-                )
-                self.epochs.mark_left_behind()
-            # The buffers hold this peer's mean gradient (loaded before the round began),
-            # or whole spans of the average where a failed round got that far: either is
-            # a fair gradient. Not reloaded from the accumulators, which may already hold
-            # the next epoch's gradients when this runs in the background.
-            logger.log(self.status_loglevel, "%s: proceeding with local gradients", self.run_id)
-        self._use_averaged_gradients()
-
-    def _peers_ahead_of(self, epoch: int, *, fresh: bool) -> int:
-        """Live peers past ``epoch``. After a failed round the question is whether the
-        others finished our epoch a moment ago, which a stale read would miss (a joiner
-        then stepped on its own gradients and began the next epoch apart): read the
-        swarm again, within matchmaking_time."""
-        if not fresh:
-            return self.tracker.peers_ahead_of(epoch, refresh=False)
-        try:
-            return self.tracker.peers_ahead_of(epoch, timeout=self.matchmaking_time)
-        except Exception as e:
-            logger.debug("%s: reading progress failed: %r", self.run_id, e)
-            return self.tracker.peers_ahead_of(epoch, refresh=False)
-
-    def _round_left_states_equal(self, gathered: dict) -> bool:
-        """Do all peers of the swarm hold the same state after this round? Only if every
-        one of them was in it with the digest of our state as it is now (a digest sent
-        before a background state round changed our state is stale), and the round
-        averaged every span from every member (a span kept local differs across peers).
-        A peer that judges otherwise runs a state round; peers that judged equal wrongly
-        see different digests in the next epoch's round and run one then."""
-        mine = self._digest_of_this_epoch()
-        if mine is None or len(gathered) < self.tracker.global_progress.num_peers:
-            return False
-        if any(digest != mine for digest in gathered.values()):
-            return False
-        result = self.grad_averager.last_result if self.grad_averager is not None else None
-        return (
-            result is not None
-            and result is not self._result_before_round
-            and result.fully_averaged
-            and not result.deadline_exceeded
-        )
-
-    def _use_averaged_gradients(self) -> None:
-        """Put the averaged gradients where the optimizer reads them."""
-        assert self.grad_averager is not None
-        if not self.offload_optimizer:  # else they already are in the optimizer's .grad
-            params = optimizer_parameters(self.state_averager.optimizer)
-            with torch.no_grad(), self.grad_averager.get_tensors() as averaged:
-                for param, grad in zip(params, averaged, strict=True):
-                    if param.grad is None:
-                        param.grad = grad.clone().to(param.device)
-                    else:
-                        param.grad.copy_(grad)
-        self.grad_averager.notify_used_averaged_gradients()
-
-    def _load_local_gradients(self) -> None:
-        """No round averaged anything: step on this peer's own mean gradient."""
-        assert self.grad_averager is not None
-        logger.log(self.status_loglevel, "%s: proceeding with local gradients", self.run_id)
-        self.grad_averager.load_accumulators_into_averager_()
-        self._use_averaged_gradients()
-
-    def _maybe_schedule_gradient_averaging(self) -> None:
-        """If the epoch ends within matchmaking_time, start looking for its group now."""
-        assert self.grad_averager is not None
-        eta = self.tracker.estimated_next_update_time - get_dht_time()
-        if eta > self.matchmaking_time:
-            return
-        control = self.scheduled_grads
-        if control is None or control.triggered or control.done():
-            eta = max(eta, self.grad_averager._options["min_matchmaking_time"])
-            self.scheduled_grads = self.grad_averager.schedule_step(
-                scheduled_time=get_dht_time() + eta,
-                timeout=self.averaging_timeout,
-                round_tag=self._gradient_round_tag(),
-                gather=self._digest_of_this_epoch(),
-            )
-
-    def _digest_of_this_epoch(self) -> bytes | None:
-        """This epoch's state digest, shared in the gradient round's gather (None when
-        states are not compared). In synchronous mode the state changes during an epoch
-        only when a background state round or a download is applied (which bumps the
-        state version), so it is computed once per epoch and version."""
-        if not self._compare_states:
-            return None
-        key = (self.local_epoch, self.state_averager.state_version)
-        if self._state_digest is None or self._state_digest[0] != key:
-            self._state_digest = (key, self.state_averager.state_digest())
-        return self._state_digest[1]
-
-    def _gradient_round_tag(self) -> str:
-        """Gradients of one epoch are averaged only with gradients of the same epoch: a
-        peer that ends an epoch after the others moved on (a late joiner, a slow peer)
-        would otherwise join their next round and mix stale gradients into it."""
-        return f"epoch{self.local_epoch}"
 
     def _maybe_schedule_state_averaging(self) -> None:
         """Likewise for the state round of the coming epoch, if it averages the state."""
@@ -884,9 +692,8 @@ class Optimizer(torch.optim.Optimizer):
             self.status_loglevel, "%s: auxiliary, moving to epoch %d", self.run_id,
             self.tracker.global_epoch,
         )  # fmt: skip
-        if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            self.scheduled_grads.cancel()
-        self.scheduled_grads = None
+        if self.rounds is not None:
+            self.rounds.drop_scheduled("cancel")
         with self.tracker.pause_updates():
             self.epochs.enter_epoch(self.tracker.global_epoch, offer_state=False)
 
@@ -899,9 +706,8 @@ class Optimizer(torch.optim.Optimizer):
     def _prepare_for_download(self) -> None:
         """Rounds in flight go ahead without this peer's contribution; a delayed update
         finishes before the state it applies to is replaced."""
-        if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            self._tag_along_with_zero_weight(self.scheduled_grads)
-            self.scheduled_grads = None
+        if self.rounds is not None:
+            self.rounds.drop_scheduled("tag_along")
         self.state_averager.step(wait_for_delayed_updates=True)
 
     def _continue_after_download(self) -> None:
@@ -910,29 +716,6 @@ class Optimizer(torch.optim.Optimizer):
         if self.use_gradient_averaging:
             assert self.grad_averager is not None
             self.grad_averager.reset_accumulated_grads_()
-
-    def _tag_along_with_zero_weight(self, control: StepControl) -> None:
-        """Let a scheduled round go ahead without our contribution (cancelling it would
-        make the group's other members search again)."""
-        if not control.triggered:
-            control.weight = 0
-            control.allow_allreduce()
-        try:
-            control.result(self.averaging_timeout)
-        except BaseException as e:
-            logger.debug("%s: a round we tagged along failed: %r", self.run_id, e)
-            if not control.done():
-                control.cancel()
-
-    def _release(self, control: StepControl) -> None:
-        if control.cancel_if_ungrouped() or control.done():
-            return
-        self._tag_along_with_zero_weight(control)
-
-    def _raise_group_error(self) -> None:
-        error, self._group_error = self._group_error, None
-        if error is not None:
-            raise error
 
     # ------------------------------------------------------------------ shutdown
 
@@ -945,10 +728,11 @@ class Optimizer(torch.optim.Optimizer):
         if self.state_averager.drop_round_without_group():
             logger.log(self.status_loglevel, "%s: dropped a state round with no group", self.run_id)
         self.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
-        for control in (self.scheduled_grads, self.scheduled_state):
-            if control is not None:
-                self._release(control)
-        self.scheduled_grads = self.scheduled_state = None
+        if self.rounds is not None:
+            self.rounds.drop_scheduled("release")
+        if self.scheduled_state is not None:
+            release(self.scheduled_state, self.averaging_timeout, self.run_id)
+        self.scheduled_state = None
         self.epochs.close([self.grad_averager])
 
     def _shutdown_when_collected(self) -> None:
@@ -964,71 +748,3 @@ class Optimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(run_id={self.run_id!r}, epoch={self.local_epoch})"
-
-
-def _check_modes(
-    *,
-    client_mode: bool,
-    auxiliary: bool,
-    batch_size_per_step: int | None,
-    use_local_updates: bool,
-    reuse_grad_buffers: bool,
-    delay_grad_averaging: bool,
-    delay_optimizer_step: bool,
-    offload_optimizer: bool,
-    grad_averager_factory: Any,
-    optimizer: Any,
-    params: Any,
-    scheduler: Any,
-) -> None:
-    """Refuse combinations that cannot work, each by name."""
-    check_peer_role(client_mode=client_mode, auxiliary=auxiliary)
-    if auxiliary and batch_size_per_step is not None:
-        raise ValidationError(
-            "auxiliary=True conflicts with batch_size_per_step: it trains nothing"
-        )
-    if delay_grad_averaging and not delay_optimizer_step:
-        raise ValidationError("delay_grad_averaging=True needs delay_optimizer_step=True")
-    if use_local_updates:
-        for name, value in (
-            ("reuse_grad_buffers", reuse_grad_buffers),
-            ("delay_grad_averaging", delay_grad_averaging),
-            ("grad_averager_factory", grad_averager_factory is not None),
-        ):
-            if value:
-                raise ValidationError(
-                    f"use_local_updates=True conflicts with {name}: with local updates "
-                    "gradients are neither accumulated nor averaged"
-                )
-    if delay_optimizer_step and not offload_optimizer:
-        raise ValidationError(
-            "delay_optimizer_step=True needs offload_optimizer=True (and so an optimizer "
-            "factory with params): a delayed step on the model's own parameters would race "
-            "with the next forward and backward passes"
-        )
-    factory = callable(optimizer) and not hasattr(optimizer, "param_groups")
-    if factory:
-        if params is None:
-            raise ValidationError("optimizer is a factory: pass params=model.parameters() too")
-        if scheduler is not None and not callable(scheduler):
-            raise ValidationError(
-                "with an optimizer factory, scheduler must be a factory too: "
-                "callable(optimizer) -> scheduler"
-            )
-        if scheduler is not None and hasattr(scheduler, "state_dict"):
-            raise ValidationError(
-                "with an optimizer factory, pass scheduler=lambda opt: Scheduler(opt, ...), "
-                "not a scheduler built on another optimizer"
-            )
-    elif hasattr(optimizer, "param_groups") and hasattr(optimizer, "step"):
-        if params is not None:
-            raise ValidationError("params were given with a ready optimizer: pass only one")
-        if offload_optimizer:
-            raise ValidationError(
-                "offload_optimizer=True needs optimizer=lambda params: ... with params=..."
-            )
-    else:
-        raise ValidationError(
-            "optimizer must be a factory (optimizer=lambda params: torch.optim.Adam(params), "
-            f"with params=model.parameters()) or a torch optimizer, got {type(optimizer).__name__}"
-        )
