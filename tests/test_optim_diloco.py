@@ -26,7 +26,8 @@ from optim_helpers import (
 import swarmgrad
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import Blockwise4BitQuantization, Uniform8BitQuantization
-from swarmgrad.optim.diloco import DiLoCoOptimizer, _compression_residuals, split_into_fragments
+from swarmgrad.optim.diloco import DiLoCoOptimizer, split_into_fragments
+from swarmgrad.optim.diloco_setup import compression_residuals
 from swarmgrad.utils.errors import ValidationError
 
 RUN = "diloco_run"
@@ -612,9 +613,9 @@ def test_error_feedback_keeps_the_sum_of_4bit_updates_within_one_residual_of_the
         delta = 0.01 + torch.randn(4096, generator=generator)
         true_sum += delta
         sent = delta + residual
-        (residual,) = _compression_residuals(codec, [sent], [0])
+        (residual,) = compression_residuals(codec, [sent], [0])
         with_feedback += sent - residual
-        (lost,) = _compression_residuals(codec, [delta.clone()], [0])
+        (lost,) = compression_residuals(codec, [delta.clone()], [0])
         without += delta - lost
     assert (with_feedback - true_sum).norm() <= residual.norm() * 1.0001
     assert (without - true_sum).norm() > 3 * (with_feedback - true_sum).norm()

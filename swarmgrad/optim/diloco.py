@@ -21,43 +21,25 @@ swarm talks H times less often than gradient averaging would (DiLoCo, Douillard 
         opt.step()          # an inner step; every ~500 steps per peer: the outer step
         opt.zero_grad()
 
-**When the swarm syncs.** Peers may run at different speeds, so "every H steps" is
-counted for the swarm: the outer step comes when the swarm has processed
-``num_inner_steps x batch_size x (number of peers)`` samples since the last one (each peer
-did H steps on average; faster peers did more and weigh more), or, with
-``target_batch_size``, that many samples. The epoch clock is the
-:class:`~.progress_tracker.ProgressTracker`'s, as for :class:`~.optimizer.Optimizer`,
-so all peers sync at once: a round that waited for stragglers would stall the fast.
+**When the swarm syncs.** The epoch clock is the
+:class:`~.progress_tracker.ProgressTracker`'s, through the same
+:class:`~.epoch_machinery.EpochMachinery` as :class:`~.optimizer.Optimizer` (of which
+this is a subclass): the outer step comes when the swarm has processed
+``num_inner_steps x batch_size x (number of peers)`` samples since the last one, or
+``target_batch_size`` if given, so all peers sync at once.
 
 **Streaming** (``num_fragments=F > 1``, Streaming DiLoCo, Douillard et al. 2025): the
-parameters are cut into F fragments of similar size; fragment f is synchronised when the
-epoch is ``(f + 1/2) / F`` done, in the background while inner steps go on, its round's
-writes spread over ``fragment_pace`` (half) of the time until the next fragment is due
-(:mod:`~swarmgrad.averaging.pacing`), so that the swarm's peak bandwidth is about F times
-lower. The outer step at the epoch's end does not wait for rounds still running: they go
-on into the next epoch (a fragment's round must end before the same fragment is due
-again) and the writes keep their pace through the outer step instead of stopping for it.
-The pace comes from what the last epoch's rounds really wrote (codes are zlib-coded, so
-the codec's own estimate is an upper bound). :meth:`~DiLoCoOptimizer.shutdown` lets rounds
-already averaging finish and merges them, so the last sync is not lost. When a
-fragment's round finishes, the
-outer step is applied to that fragment and the result is merged into the model as
-``alpha x local + (1 - alpha) x synced`` (``fragment_merge_alpha``; the inner steps made
-meanwhile are kept in the local part).
-
-**Compression.** ``grad_compression`` encodes the pseudo-gradients on the wire (e.g.
-:class:`~swarmgrad.compression.Uniform8BitQuantization`). A lossy codec loses the
-rounding error only for one round: it is kept and added to the next pseudo-gradient
-(error feedback), so nothing is lost over time.
-
-**Joiners and failures.** The synced parameters, the outer optimizer's state and the
-epoch are shared with joiners (:class:`~.state_averager.TrainingStateAverager`); a peer
-that finds itself behind the swarm downloads them (its inner progress since its last
-sync is dropped). Rounds are tagged with the epoch and fragment, so pseudo-gradients of
-different syncs never meet. A round that fails (a peer died mid-round) leaves every span
-either averaged or this peer's own; a round that finds nobody uses this peer's own
-pseudo-gradient. A pseudo-gradient with NaN or Inf values is not sent: this peer takes
-the others' average (weight 0).
+parameters are cut into F fragments synchronised at staggered points of the epoch
+(:class:`~.fragment_schedule.FragmentSchedule`), in the background while inner steps go
+on, their writes paced (``fragment_pace``) so that the swarm's peak bandwidth is about F
+times lower; a finished fragment is merged as ``alpha x local + (1 - alpha) x synced``
+(``fragment_merge_alpha``). **Compression**: ``grad_compression`` encodes the
+pseudo-gradients, a lossy codec's rounding error is added to the next one (error
+feedback). **Joiners and failures**: the synced copy, the outer optimizer's state and the
+epoch are shared with joiners; rounds are tagged with epoch and fragment; a round that
+fails or finds nobody leaves this peer its own pseudo-gradient; a non-finite one is sent
+with weight 0. ``docs/slow-links.md`` and ``docs/design-notes.md`` ("Streaming DiLoCo")
+hold the measurements behind these choices.
 """
 
 from __future__ import annotations
@@ -68,7 +50,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,6 +63,13 @@ from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.compression.base import CompressionInfo
 from swarmgrad.dht.dht import DHT
 from swarmgrad.net.identity import PeerID
+from swarmgrad.optim.diloco_setup import (
+    check_diloco_arguments,
+    compression_residuals,
+    default_outer_optimizer,
+    make_inner_optimizer,
+    make_scheduler,
+)
 from swarmgrad.optim.epoch_machinery import EpochMachinery
 from swarmgrad.optim.fragment_schedule import (
     FragmentSchedule,
@@ -92,7 +81,7 @@ from swarmgrad.optim.optimizer import Optimizer
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
-from swarmgrad.utils.checks import fraction, positive_int, positive_seconds
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
@@ -105,15 +94,9 @@ _AVERAGING_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALL
 
 
 #: replicas a DiLoCo peer's progress read merges (ProgressTracker's read_quorum): its
-#: epochs last H inner steps, and a read a round trip older costs nothing there, while
-#: a streaming peer reads ~40 times a minute and reading every replica was most of its
-#: DHT traffic. The synchronous Optimizer keeps full reads (see ProgressTracker).
+#: epochs are long, so a slightly older read costs nothing, and full reads were most of
+#: a streaming peer's DHT traffic
 DILOCO_READ_QUORUM = 2
-
-
-def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
-    """DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
 class _Fragment:
@@ -173,44 +156,25 @@ class DiLoCoOptimizer(Optimizer):
         verbose: bool = False,
         metrics: bool | dict = True,
     ):
-        for name, value in (("batch_size", batch_size), ("num_inner_steps", num_inner_steps)):
-            positive_int(name, value)
-        positive_int("num_fragments", num_fragments)
-        if target_batch_size is not None:
-            positive_int("target_batch_size", target_batch_size)
-        if num_fragments > 1 and num_inner_steps < num_fragments:
-            raise ValidationError(
-                f"num_inner_steps={num_inner_steps} is fewer than num_fragments="
-                f"{num_fragments}: each fragment must sync at most once per inner step"
-            )
-        if fragment_pace is not None:
-            fraction("fragment_pace", fragment_pace, low_open=True)
-        fraction("fragment_merge_alpha", fragment_merge_alpha, high_open=True)
-        for name, value in (
-            ("matchmaking_time", matchmaking_time),
-            ("averaging_timeout", averaging_timeout),
-            ("load_state_timeout", load_state_timeout),
-        ):
-            positive_seconds(name, value)
-        if not isinstance(run_id, str) or not run_id:
-            raise ValidationError(f"run_id must be a non-empty str, got {run_id!r}")
-        if not dht.is_alive():
-            raise ValidationError("the DHT is not running: start it before the optimizer")
-        if not callable(outer_optimizer) or hasattr(outer_optimizer, "param_groups"):
-            raise ValidationError(
-                "outer_optimizer must be a factory, e.g. lambda params: torch.optim.SGD(params, "
-                "lr=0.7, momentum=0.9, nesterov=True): it works on the synced copy"
-            )
-        self.inner_optimizer = _make_inner_optimizer(inner_optimizer, params)
+        check_diloco_arguments(
+            dht=dht,
+            run_id=run_id,
+            batch_size=batch_size,
+            num_inner_steps=num_inner_steps,
+            outer_optimizer=outer_optimizer,
+            target_batch_size=target_batch_size,
+            num_fragments=num_fragments,
+            fragment_merge_alpha=fragment_merge_alpha,
+            fragment_pace=fragment_pace,
+            timeouts={
+                "matchmaking_time": matchmaking_time,
+                "averaging_timeout": averaging_timeout,
+                "load_state_timeout": load_state_timeout,
+            },
+        )
+        self.inner_optimizer = make_inner_optimizer(inner_optimizer, params)
         main_params = optimizer_parameters(self.inner_optimizer)
-        self.scheduler = None
-        if scheduler is not None:
-            try:
-                self.scheduler = scheduler(self.inner_optimizer)
-            except Exception as e:
-                raise ValidationError(
-                    f"the scheduler factory raised {type(e).__name__}: {e}"
-                ) from e
+        self.scheduler = make_scheduler(scheduler, self.inner_optimizer)
 
         self.dht, self.run_id = dht, run_id
         self.client_mode = dht.client_mode if client_mode is None else bool(client_mode)
@@ -426,13 +390,8 @@ class DiLoCoOptimizer(Optimizer):
 
     def _epoch_fraction(self) -> float:
         """How much of the epoch is done: the samples counted in the last read, or the
-        swarm's extrapolated samples (records plus rates times their age) if further.
-        Counted samples lag (peers at a steady pace publish rarely), and streaming's
-        fragments bunched up in the epoch's second half: a 13-s epoch synced those due
-        at 1/4, 2/4 and 3/4 of it 6.6, 8.1 and 9.2 s in. Elapsed time since this peer's
-        epoch began fixed that but differs between peers in epoch 0, which each begins
-        at its own start: the first fragment's groups then split (2 + 2 of 4 peers); the
-        extrapolation is the same for every reader."""
+        swarm's extrapolated samples if further (counted samples lag; the extrapolation
+        is the same for every reader, unlike the time since this peer's epoch began)."""
         if self.tracker.ready_to_update_epoch:
             return 1.0
         progress = self.tracker.global_progress
@@ -441,10 +400,8 @@ class DiLoCoOptimizer(Optimizer):
 
     def _due_time(self, fraction: float) -> float:
         """DHT time at which the swarm's extrapolated samples reach ``fraction`` of the
-        epoch (inf before any rate is known); see :meth:`_epoch_fraction`. Not the ETA of
-        the epoch's end scaled: that ETA was computed against the target of its read, and
-        the target grows as peers are found (in epoch 0 a peer that had counted itself
-        alone launched the first fragment at once and split the group 2 + 2)."""
+        epoch (inf before any rate is known), computed against the current target, which
+        grows as peers are found."""
         progress = self.tracker.global_progress
         if progress.samples_per_second <= 0:
             return math.inf
@@ -467,19 +424,13 @@ class DiLoCoOptimizer(Optimizer):
         remaining = max(0.0, fraction * target - progress.samples_accumulated)
         left_in_epoch = max(1.0, target - progress.samples_accumulated)
         eta = to_epoch_end * min(1.0, remaining / left_in_epoch)  # the swarm's speed is steady
-        # _epoch_fraction reaches the fraction by extrapolated samples too, and counted
-        # samples lag (peers at a steady pace publish rarely): matchmaking that started by
-        # the counted samples alone came after the launch, and the late peer's group left
-        # it out
+        # the launch goes by extrapolated samples too: matchmaking must not start later
         eta = min(eta, max(0.0, self._due_time(fraction) - now))
         if eta > self.matchmaking_time:
             return
-        # Peers' estimates of the due time differ (by 2 s in epoch 0, when rates are in
-        # flux): a group that closed at its leader's estimate left out a peer that came
-        # 26 ms later, and the fragment's copies split 3 + 1. So a leader waits until
-        # half a matchmaking time past its estimate for the peers it does not have yet,
-        # and begins as soon as it has every peer the swarm counts. (Plain DiLoCo's one
-        # round blocks the outer step: there a missing peer would cost that wait.)
+        # peers' estimates of the due time differ: a streaming leader waits half a
+        # matchmaking time past its own for the peers it lacks, and begins as soon as it
+        # has all the swarm counts (plain DiLoCo's round blocks the outer step: no wait)
         slack = self.matchmaking_time / 2 if len(self.fragments) > 1 else 0.0
         fragment.scheduled = fragment.averager.step(
             scheduled_time=now + max(eta, 0.5) + slack,
@@ -493,12 +444,9 @@ class DiLoCoOptimizer(Optimizer):
         )
 
     def _offer_state(self) -> None:
-        """Declare this epoch's state to joiners (its priority: the epoch) once no round
-        of an earlier epoch is still running: streaming's late rounds go on past the
-        outer step, and a joiner that downloaded before they merged would hold another
-        copy of their fragments. It also keeps the declaration (a store to each of the
-        key's replicas) out of the outer step's second, which already carries the
-        progress stores: on a 20 Mbit/s link that second was a streaming peer's busiest."""
+        """Declare this epoch's state to joiners once no round of an earlier epoch is
+        still running (a joiner that downloaded before those merged would hold another
+        copy of their fragments)."""
         if self.client_mode:
             return
         self._state_offer_pending = any(
@@ -509,13 +457,9 @@ class DiLoCoOptimizer(Optimizer):
             self.state_averager.state_sharing_priority = self.local_epoch
 
     def _leader_hint(self, fragment: _Fragment) -> PeerID | None:
-        """The leader of the latest fragment group: for a later fragment, this epoch's
-        first one; for the first, the last epoch's last one (or first). The same peers
-        meet again, so their rounds join that leader directly instead of declaring and
-        reading through the DHT (see swarmgrad.averaging.matchmaking): that control
-        traffic, in the middle of paced data, was what set a streaming peer's busiest
-        second. None in plain DiLoCo and when no such group is known (the first epoch, a
-        peer that just joined): then matchmaking goes through the DHT."""
+        """The leader of the latest fragment group this round should join directly
+        (:meth:`.FragmentSchedule.leader_sources`), sparing the DHT the control traffic;
+        None when no such group is known: then matchmaking goes through the DHT."""
         for index, tag_epoch in self.schedule.leader_sources(self.local_epoch, fragment.index):
             last = self.fragments[index].averager.last_group
             if last is not None and last[0] == self.schedule.round_tag(tag_epoch, index):
@@ -577,21 +521,12 @@ class DiLoCoOptimizer(Optimizer):
 
     def _fragment_send_rate(self) -> float | None:
         """Streaming: the rate that spreads a fragment's round over ``fragment_pace`` of
-        the time until the next fragment is due (None: full speed). Its result is not
-        needed before then, and a burst at full speed would make the link's peak as high
-        as DiLoCo's for a quarter of the bytes.
-
-        One rate for every fragment, from the model's mean fragment: tensors cannot be
-        cut, so fragments differ (the slow-links model's four hold 32.9k, 37.5k, 33.3k and
-        16.8k parameters), and a rate per fragment made the largest one's rate the
-        link's peak (19 kB/s against 9 for the smallest). The pacer is shared, so a larger
-        round runs into the next one's window and a smaller one makes the time up; the
-        last round ends when it did."""
+        the time until the next fragment is due (None: full speed), one rate for every
+        fragment from the model's mean fragment (:func:`.fragment_send_rate`)."""
         if self.fragment_pace is None or len(self.fragments) == 1:
             return None
         num_peers = self.tracker.global_progress.num_peers
-        # the longer of the swarm's estimate and the last epoch: an estimate that later
-        # grows (a joiner, a slower peer) would leave the round squeezed into its start
+        # the longer of the swarm's estimate and the last epoch (estimates grow later)
         epoch_length = max(
             self.tracker.estimated_next_update_time - self._epoch_began, self._last_epoch_length
         )
@@ -612,11 +547,9 @@ class DiLoCoOptimizer(Optimizer):
         )
 
     def _measured_bytes_per_round(self) -> float | None:
-        """What the mean fragment's round writes through the pacer, from the bytes per
-        value of the last epoch's worth of rounds (None: none finished yet). The codec's
-        estimate cannot know what zlib saves: it set a pace 12-14% too high. Per value,
-        since fragments differ (the slow-links model's hold 33k, 37k, 33k and 17k values):
-        the mean of the first two rounds alone set the first epoch's pace 17% too high."""
+        """What the mean fragment's round writes through the pacer, per value, from the
+        last epoch's worth of rounds (None: none finished yet): the codec's estimate
+        cannot know what deflate saves."""
         if not self._round_bytes:
             return None
         sent = sum(b for b, _ in self._round_bytes)
@@ -665,7 +598,7 @@ class DiLoCoOptimizer(Optimizer):
             for grad, delta in zip(grads, deltas, strict=True):
                 grad.copy_(delta)
             if self.error_feedback:
-                fragment.residuals = _compression_residuals(
+                fragment.residuals = compression_residuals(
                     self.grad_compression, deltas, fragment.params
                 )
         return float(self.samples_since_sync)
@@ -722,9 +655,8 @@ class DiLoCoOptimizer(Optimizer):
                 fragment.running_epoch,
             )
             if self.tracker.peers_ahead_of(fragment.running_epoch, refresh=False):
-                # the others averaged this epoch without us and moved on: their state
-                # holds what we missed. Waiting for the next once-per-epoch check kept a
-                # joiner in a swarm of 0.2-s epochs one epoch behind, alone, to the end
+                # the others averaged this epoch without us and moved on: load their
+                # state now rather than at the next once-per-epoch check
                 self.epochs.mark_left_behind()
         members = set(fragment.params)
         with torch.no_grad(), self.state_averager.state_lock():
@@ -772,9 +704,8 @@ class DiLoCoOptimizer(Optimizer):
         yet), wait for the round (plain DiLoCo; streaming's rounds go on in the
         background), and move to the next epoch."""
         began = time.perf_counter()
-        # the epoch's length for pacing ends here, before the wait for its rounds: with
-        # the wait counted, slow rounds made a longer "epoch", slower pacing and slower
-        # rounds again (outer steps of 4, 10 and 18 s in one lab run)
+        # the epoch's length for pacing ends here, before the wait for its rounds (with
+        # it, slow rounds made slower pacing and slower rounds again)
         epoch_length = get_dht_time() - self._epoch_began
         self.epochs.look_again_if_alone()
         streaming = self.schedule.streaming
@@ -820,13 +751,10 @@ class DiLoCoOptimizer(Optimizer):
     # ------------------------------------------------------------------ shutting down
 
     def shutdown(self, finish_rounds: bool = True) -> None:
-        """Leave the swarm. Streaming rounds that are already averaging (their group
-        formed, released by this peer) are finished first, within ``averaging_timeout``,
-        and merged, and so are rounds that ended since the last step: the outer step
-        does not wait for them, so without this the last epoch's late fragments would
-        be lost (a round that ended after the peer's last step was dropped, and its
-        synced copy differed from its group's). Rounds still looking for a group are
-        cancelled. ``finish_rounds=False``: cancel everything at once."""
+        """Leave the swarm. Streaming rounds already averaging, or ended since the last
+        step, are finished (within ``averaging_timeout``) and merged, since the outer
+        step does not wait for them and the last sync would be lost; rounds still looking
+        for a group are cancelled. ``finish_rounds=False``: cancel everything at once."""
         if not self.epochs.begin_shutdown():
             return
         for fragment in self.fragments:
@@ -866,40 +794,3 @@ class DiLoCoOptimizer(Optimizer):
             f"DiLoCoOptimizer(run_id={self.run_id!r}, epoch={self.local_epoch}, "
             f"H={self.num_inner_steps}, fragments={len(self.fragments)})"
         )
-
-
-def _make_inner_optimizer(inner_optimizer: Any, params: Any) -> torch.optim.Optimizer:
-    if hasattr(inner_optimizer, "param_groups") and hasattr(inner_optimizer, "step"):
-        if params is not None:
-            raise ValidationError("params were given with a ready inner_optimizer: pass only one")
-        return inner_optimizer
-    if not callable(inner_optimizer):
-        raise ValidationError(
-            "inner_optimizer must be a factory (lambda params: torch.optim.AdamW(params)) "
-            f"with params=..., or a torch optimizer; got {type(inner_optimizer).__name__}"
-        )
-    if params is None:
-        raise ValidationError("inner_optimizer is a factory: pass params=model.parameters() too")
-    try:
-        made = inner_optimizer(list(params))
-    except Exception as e:
-        raise ValidationError(f"the inner_optimizer factory raised {type(e).__name__}: {e}") from e
-    if not hasattr(made, "param_groups"):
-        raise ValidationError(
-            f"the inner_optimizer factory returned a {type(made).__name__}, not an optimizer"
-        )
-    return made
-
-
-def _compression_residuals(
-    codec: CompressionBase, deltas: list[torch.Tensor], keys: Sequence[int]
-) -> list[torch.Tensor]:
-    """What the codec loses of each tensor, to be sent next time. The all-reduce encodes
-    parts of concatenated tensors (and the reducer encodes the average again), so this
-    is the bulk of the loss rather than its exact value."""
-    residuals = []
-    for delta, key in zip(deltas, keys, strict=True):
-        info = CompressionInfo.from_tensor(delta, key=key)
-        restored = codec.extract(codec.compress(delta, info))
-        residuals.append(delta - restored.to(delta.dtype).reshape(delta.shape))
-    return residuals
