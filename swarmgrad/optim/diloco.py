@@ -231,23 +231,7 @@ class DiLoCoOptimizer(Optimizer):
                 start=True,
                 **without_bans(averager_opts),  # the fragments' averagers ban
             )
-            masters = optimizer_parameters(self.state_averager.optimizer)
-            sizes = [p.numel() for p in masters]
-            for index, members in enumerate(split_into_fragments(sizes, num_fragments)):
-                averager = DecentralizedAverager(
-                    [masters[i].grad for i in members],
-                    dht,
-                    prefix=f"{run_id}_outer_grads{index}",
-                    compression=grad_compression,
-                    min_matchmaking_time=self.matchmaking_time,
-                    client_mode=self.client_mode,
-                    allow_state_sharing=False,
-                    start=True,
-                    **averager_opts,
-                )
-                self.fragments.append(_Fragment(index, members, averager))
-                # a re-average of the copies leaves out whoever a fragment's averager banned
-                self.state_averager.follow_bans_of(averager)
+            self._make_fragments(num_fragments, averager_opts)
             self.epochs = EpochMachinery(
                 run_id=run_id,
                 tracker=self.tracker,
@@ -265,6 +249,26 @@ class DiLoCoOptimizer(Optimizer):
             raise
         self.main_parameters = tuple(main_params)
         self._masters = tuple(optimizer_parameters(self.state_averager.optimizer))
+
+    def _make_fragments(self, num_fragments: int, averager_opts: dict) -> None:
+        """One averager per fragment, over the synced copy's .grad (the pseudo-gradient)."""
+        masters = optimizer_parameters(self.state_averager.optimizer)
+        sizes = [p.numel() for p in masters]
+        for index, members in enumerate(split_into_fragments(sizes, num_fragments)):
+            averager = DecentralizedAverager(
+                [masters[i].grad for i in members],
+                self.dht,
+                prefix=f"{self.run_id}_outer_grads{index}",
+                compression=self.grad_compression,
+                min_matchmaking_time=self.matchmaking_time,
+                client_mode=self.client_mode,
+                allow_state_sharing=False,
+                start=True,
+                **averager_opts,
+            )
+            self.fragments.append(_Fragment(index, members, averager))
+            # a re-average of the copies leaves out whoever a fragment's averager banned
+            self.state_averager.follow_bans_of(averager)
 
     # ------------------------------------------------------------------ torch API
 
@@ -630,15 +634,10 @@ class DiLoCoOptimizer(Optimizer):
                 fragment.running_epoch,
                 len(gathered),
             )
-            if (
-                len(
-                    {
-                        bytes(d) if isinstance(d, bytes | bytearray) else None
-                        for d in gathered.values()
-                    }
-                )
-                > 1
-            ):
+            digests = {
+                bytes(d) if isinstance(d, bytes | bytearray) else None for d in gathered.values()
+            }
+            if len(digests) > 1:
                 logger.warning(
                     "%s: the synced copies of fragment %d differ across the group (an "
                     "earlier round split the swarm): re-averaging them after this step",

@@ -240,7 +240,6 @@ class Optimizer(torch.optim.Optimizer):
         self.next_chunk_timeout = next_chunk_timeout
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
         self.scheduled_state: StepControl | None = None
-        # synchronous mode: a state round among peers whose states are equal is skipped
 
         self.tracker = ProgressTracker(
             dht,
@@ -273,32 +272,7 @@ class Optimizer(torch.optim.Optimizer):
             if getattr(self, "state_averager", None) is not None:
                 self.state_averager.shutdown()
             raise
-        self.epochs = EpochMachinery(
-            run_id=run_id,
-            tracker=self.tracker,
-            state_averager=self.state_averager,
-            client_mode=client_mode,
-            matchmaking_time=matchmaking_time,
-            averaging_timeout=averaging_timeout,
-            load_state_timeout=load_state_timeout,
-            catch_up_without_state=True,
-            status_loglevel=self.status_loglevel,
-        )
-        self.rounds: GradientRounds | None = None
-        if self.grad_averager is not None:
-            self.rounds = GradientRounds(
-                run_id=run_id,
-                averager=self.grad_averager,
-                state_averager=self.state_averager,
-                tracker=self.tracker,
-                epochs=self.epochs,
-                offload_optimizer=offload_optimizer,
-                # synchronous mode: a state round among peers whose states are equal is skipped
-                compare_states=not (delay_optimizer_step or auxiliary),
-                matchmaking_time=matchmaking_time,
-                averaging_timeout=averaging_timeout,
-                status_loglevel=self.status_loglevel,
-            )
+        self._make_machinery()
         self._schema = self._parameter_schema()
         # time from the start of an epoch transition to the state averaging call, so that
         # the state round can be scheduled ahead too
@@ -314,6 +288,36 @@ class Optimizer(torch.optim.Optimizer):
         self._initialized = True
 
     # ------------------------------------------------------------------ construction
+
+    def _make_machinery(self) -> None:
+        """The epoch machinery and, with a gradient averager, the gradient rounds."""
+        self.epochs = EpochMachinery(
+            run_id=self.run_id,
+            tracker=self.tracker,
+            state_averager=self.state_averager,
+            client_mode=self.client_mode,
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+            load_state_timeout=self.load_state_timeout,
+            catch_up_without_state=True,
+            status_loglevel=self.status_loglevel,
+        )
+        self.rounds: GradientRounds | None = None
+        if self.grad_averager is not None:
+            self.rounds = GradientRounds(
+                run_id=self.run_id,
+                averager=self.grad_averager,
+                state_averager=self.state_averager,
+                tracker=self.tracker,
+                epochs=self.epochs,
+                offload_optimizer=self.offload_optimizer,
+                # synchronous mode: a state round among peers whose states are equal is
+                # skipped (with delayed steps or as an auxiliary, states differ anyway)
+                compare_states=not (self.delay_optimizer_step or self.auxiliary),
+                matchmaking_time=self.matchmaking_time,
+                averaging_timeout=self.averaging_timeout,
+                status_loglevel=self.status_loglevel,
+            )
 
     def _make_averagers(self, *, use_local_updates: bool, averager_opts: dict, **options: Any):
         """The state averager and, unless with local updates, the gradient averager
