@@ -5,18 +5,15 @@ tracker, and on real optimizers (a peer restored ahead of the swarm keeps its ep
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 from types import SimpleNamespace
 
-import torch
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from optim_helpers import dht_swarm, make_model, make_optimizer
 
-import swarmgrad
-from swarmgrad.compression import NoCompression
-from swarmgrad.optim.diloco import DiLoCoOptimizer
+from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.optim.epoch_machinery import EpochMachinery, must_load_state
 
 epochs = st.integers(min_value=0, max_value=10**6)
@@ -170,83 +167,47 @@ def test_a_peer_restored_ahead_of_the_swarm_keeps_its_epoch_and_publishes_it():
             opt.shutdown()
 
 
-def _nesterov(params):
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+class _WaitingTracker(_Tracker):
+    def __init__(self, peers_ahead: int = 0, others_left: bool = False):
+        super().__init__(peers_ahead=peers_ahead)
+        self._others_left = others_left
+        self.fetch_requests = 0
+
+    def others_left(self) -> bool:
+        return self._others_left
+
+    def request_fetch(self) -> None:
+        self.fetch_requests += 1
 
 
-def test_diloco_mode_and_diloco_optimizer_are_optimizers():
-    with dht_swarm(1) as (dht,):
-        mode = make_optimizer(dht, make_model(), run_id="mode", outer_optimizer=_nesterov)
-        direct = DiLoCoOptimizer(
-            dht=dht,
-            run_id="direct",
-            batch_size=8,
-            num_inner_steps=4,
-            inner_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-            params=make_model().parameters(),
-        )
-        try:
-            for opt in (mode, direct):
-                assert isinstance(opt, swarmgrad.Optimizer)
-                assert isinstance(opt, swarmgrad.DiLoCoOptimizer)
-                assert opt.opt is opt.inner_optimizer
-                assert opt.use_local_updates and not opt.use_gradient_averaging
-                assert opt.is_synchronized_with_peers()
-            assert mode.num_inner_steps == 8  # target 64 / 8 per step
-        finally:
-            mode.shutdown()
-            direct.shutdown()
-        assert mode._closed and direct._closed
+def _looking(stage: AveragingStage = AveragingStage.LOOKING_FOR_GROUP) -> StepControl:
+    control = StepControl(scheduled_time=0.0, weight=1.0, round_tag="epoch3")
+    control._set_stage(stage)
+    return control
 
 
-#: hivemind 1.1.12's ``Optimizer.__init__``: keyword-only names and defaults, in order
-#: (``...``: required). Ours may add keywords after these, never change them.
-_HIVEMIND_1_1_12 = (
-    ("dht", ...),
-    ("run_id", ...),
-    ("target_batch_size", ...),
-    ("batch_size_per_step", None),
-    ("optimizer", ...),
-    ("params", None),
-    ("scheduler", None),
-    ("matchmaking_time", 15.0),
-    ("averaging_timeout", 60.0),
-    ("allreduce_timeout", None),
-    ("next_chunk_timeout", None),
-    ("load_state_timeout", 600.0),
-    ("reuse_grad_buffers", False),
-    ("offload_optimizer", None),
-    ("delay_optimizer_step", None),
-    ("delay_grad_averaging", False),
-    ("delay_state_averaging", True),
-    ("average_state_every", 1),
-    ("use_local_updates", False),
-    ("client_mode", None),
-    ("auxiliary", False),
-    ("grad_compression", NoCompression),
-    ("grad_averager_factory", None),
-    ("state_averaging_compression", NoCompression),
-    ("load_state_compression", NoCompression),
-    ("average_opt_statistics", ()),
-    ("extra_tensors", ()),
-    ("averager_opts", None),
-    ("tracker_opts", None),
-    ("performance_ema_alpha", 0.1),
-    ("shutdown_timeout", 5),
-    ("verbose", False),
-)
+def test_a_round_looking_for_a_group_is_given_up_once_peers_moved_on_or_left():
+    for tracker in (_WaitingTracker(peers_ahead=1), _WaitingTracker(others_left=True)):
+        machinery = _machinery(tracker, _StateAverager(3))
+        control = _looking()
+        assert machinery.wait_for_round(control, 3) is None
+        assert control.cancelled()
 
 
-def test_the_optimizer_signature_starts_with_hivemind_1_1_12s():
-    parameters = list(inspect.signature(swarmgrad.Optimizer.__init__).parameters.values())[1:]
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters)
-    for parameter, (name, default) in zip(parameters, _HIVEMIND_1_1_12, strict=False):
-        assert parameter.name == name
-        if default is ...:
-            assert parameter.default is inspect.Parameter.empty, name
-        elif default is NoCompression:
-            assert isinstance(parameter.default, NoCompression), name
-        else:
-            assert parameter.default == default and type(parameter.default) is type(default), name
-    added = [p for p in parameters[len(_HIVEMIND_1_1_12) :]]
-    assert all(p.default is not inspect.Parameter.empty for p in added)
+def test_a_round_already_averaging_is_waited_for_and_its_result_returned():
+    tracker = _WaitingTracker(peers_ahead=1)  # peers ahead do not matter any more
+    machinery = _machinery(tracker, _StateAverager(3))
+    control = _looking(AveragingStage.RUNNING_ALLREDUCE)
+    timer = threading.Timer(0.4, control.set_result, args=({"peer": b"digest"},))
+    timer.start()
+    assert machinery.wait_for_round(control, 3) == {"peer": b"digest"}
+
+
+def test_a_round_that_outlasts_the_averaging_timeout_raises_and_asks_for_a_read():
+    tracker = _WaitingTracker()
+    machinery = _machinery(tracker, _StateAverager(3))
+    machinery.averaging_timeout, machinery.matchmaking_time = 1.0, 0.3
+    control = _looking()
+    with pytest.raises(TimeoutError, match=r"gradient round took over 1\.0 s"):
+        machinery.wait_for_round(control, 3, "gradient round")
+    assert tracker.fetch_requests == 1  # no group within a matchmaking time: read again
