@@ -211,3 +211,15 @@ def test_a_round_that_outlasts_the_averaging_timeout_raises_and_asks_for_a_read(
     with pytest.raises(TimeoutError, match=r"gradient round took over 1\.0 s"):
         machinery.wait_for_round(control, 3, "gradient round")
     assert tracker.fetch_requests == 1  # no group within a matchmaking time: read again
+
+
+def test_a_partial_read_showing_nobody_else_is_no_reason_to_give_a_round_up():
+    """DiLoCo reads two replicas: a live peer's record may be missing from such a read."""
+    tracker = _WaitingTracker(others_left=True)
+    tracker.read_quorum = 2
+    machinery = _machinery(tracker, _StateAverager(3))
+    machinery.averaging_timeout = 0.6
+    control = _looking()
+    with pytest.raises(TimeoutError):
+        machinery.wait_for_round(control, 3)
+    assert not control.cancelled()
