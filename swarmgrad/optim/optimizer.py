@@ -467,6 +467,12 @@ class Optimizer(torch.optim.Optimizer):
         return None if epochs is None else epochs.metrics
 
     @property
+    def scheduled_grads(self) -> StepControl | None:
+        """The gradient round scheduled for this epoch, if any (hivemind's attribute)."""
+        rounds = getattr(self, "rounds", None)
+        return None if rounds is None else rounds.scheduled
+
+    @property
     def _closed(self) -> bool:
         epochs = getattr(self, "epochs", None)
         return True if epochs is None else epochs.closed
