@@ -26,7 +26,8 @@ from optim_helpers import (
 import swarmgrad
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.compression import Blockwise4BitQuantization, Uniform8BitQuantization
-from swarmgrad.optim.diloco import DiLoCoOptimizer, _compression_residuals, split_into_fragments
+from swarmgrad.optim.diloco import DiLoCoOptimizer, split_into_fragments
+from swarmgrad.optim.diloco_setup import compression_residuals
 from swarmgrad.utils.errors import ValidationError
 
 RUN = "diloco_run"
@@ -89,7 +90,9 @@ def test_bad_arguments_are_refused_by_name():
             ({"num_fragments": 0}, "num_fragments must be a positive int"),
             ({"num_fragments": 3, "num_inner_steps": 2}, "num_inner_steps=2 is fewer than"),
             ({"num_fragments": 9, "num_inner_steps": 50}, "more than the model's 4"),
-            ({"fragment_merge_alpha": 1.0}, "fragment_merge_alpha must be in"),
+            ({"fragment_merge_alpha": 1.0}, r"fragment_merge_alpha must be a number in \[0, 1\)"),
+            ({"fragment_pace": 0}, r"fragment_pace must be a number in \(0, 1\]"),
+            ({"averaging_timeout": float("inf")}, "averaging_timeout must be a positive number"),
             ({"target_batch_size": 0}, "target_batch_size must be a positive int"),
             ({"matchmaking_time": 0}, "matchmaking_time must be a positive number"),
             ({"outer_optimizer": torch.optim.SGD(model.parameters(), lr=1)}, "must be a factory"),
@@ -525,7 +528,7 @@ def test_streaming_rounds_outlive_the_outer_step_and_shutdown_merges_them():
         opt = make_diloco(dhts[0], make_model(), num_inner_steps=8, num_fragments=2)
         try:
             declared = []
-            opt.state_averager = _Recorder(opt.state_averager, declared)
+            opt.state_averager = opt.epochs.state_averager = _Recorder(opt.state_averager, declared)
             late = opt.fragments[1]
             late.running, late.running_epoch = _running_control("outer0f1"), 0
             opt.fragments[0].synced_epoch = late.synced_epoch = 0
@@ -610,9 +613,9 @@ def test_error_feedback_keeps_the_sum_of_4bit_updates_within_one_residual_of_the
         delta = 0.01 + torch.randn(4096, generator=generator)
         true_sum += delta
         sent = delta + residual
-        (residual,) = _compression_residuals(codec, [sent], [0])
+        (residual,) = compression_residuals(codec, [sent], [0])
         with_feedback += sent - residual
-        (lost,) = _compression_residuals(codec, [delta.clone()], [0])
+        (lost,) = compression_residuals(codec, [delta.clone()], [0])
         without += delta - lost
     assert (with_feedback - true_sum).norm() <= residual.norm() * 1.0001
     assert (without - true_sum).norm() > 3 * (with_feedback - true_sum).norm()

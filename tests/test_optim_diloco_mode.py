@@ -131,3 +131,28 @@ def test_diloco_options_pass_and_gradient_only_arguments_are_refused_by_name():
             make_mode_optimizer(dht, model, outer_optimizer=None, diloco_opts={})
         with pytest.raises(TypeError, match="keyword arguments only"):
             swarmgrad.Optimizer(dht, outer_optimizer=nesterov)
+
+
+def test_diloco_mode_and_diloco_optimizer_are_optimizers():
+    with dht_swarm(1) as (dht,):
+        mode = make_mode_optimizer(dht, make_model(), run_id="mode")
+        direct = DiLoCoOptimizer(
+            dht=dht,
+            run_id="direct",
+            batch_size=8,
+            num_inner_steps=4,
+            inner_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            params=make_model().parameters(),
+        )
+        try:
+            for opt in (mode, direct):
+                assert isinstance(opt, swarmgrad.Optimizer)
+                assert isinstance(opt, swarmgrad.DiLoCoOptimizer)
+                assert opt.opt is opt.inner_optimizer
+                assert opt.use_local_updates and not opt.use_gradient_averaging
+                assert opt.is_synchronized_with_peers()
+            assert mode.num_inner_steps == 3  # target 24 / 8 per step
+        finally:
+            mode.shutdown()
+            direct.shutdown()
+        assert mode._closed and direct._closed

@@ -3,13 +3,16 @@ identity) train a small model together over loopback, in every mode, with bad in
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 
 import pytest
 import torch
 
+import swarmgrad
 from swarmgrad.averaging.allreduce import AveragingMode, GroupMismatch
+from swarmgrad.compression import NoCompression
 from swarmgrad.optim import Optimizer
 from swarmgrad.utils.errors import ValidationError
 from tests.optim_helpers import (
@@ -721,31 +724,31 @@ def test_states_count_as_equal_only_after_a_whole_round_with_fresh_digests():
             opt = opts[0]
             result = opt.grad_averager.last_result
             assert result is not None and result.fully_averaged
-            mine = opt._digest_of_this_epoch()
+            mine = opt.rounds.digest()
             gathered = {"a": mine, "b": mine}
-            assert opt._round_left_states_equal(gathered)
+            assert opt.rounds.left_states_equal(gathered)
 
-            assert not opt._round_left_states_equal({"a": mine, "b": b"other"})
-            assert not opt._round_left_states_equal({"a": mine})  # a peer was not in it
-            opt._result_before_round = result  # no new round finished
-            assert not opt._round_left_states_equal(gathered)
-            opt._result_before_round = None
+            assert not opt.rounds.left_states_equal({"a": mine, "b": b"other"})
+            assert not opt.rounds.left_states_equal({"a": mine})  # a peer was not in it
+            opt.rounds.result_before_round = result  # no new round finished
+            assert not opt.rounds.left_states_equal(gathered)
+            opt.rounds.result_before_round = None
             for partial in (
                 dataclasses.replace(result, local_spans=frozenset({1})),
                 dataclasses.replace(result, deadline_exceeded=True),
             ):
                 opt.grad_averager._core.last_result = partial
-                assert not opt._round_left_states_equal(gathered)
+                assert not opt.rounds.left_states_equal(gathered)
             opt.grad_averager._core.last_result = result
-            assert opt._round_left_states_equal(gathered)
+            assert opt.rounds.left_states_equal(gathered)
 
             # a background state round (or a download) changes the state after the
             # digest was sent: the digest is recomputed and the old one no longer counts
             with opt.state_averager.state_lock(), torch.no_grad():
                 opt.opt.param_groups[0]["params"][0].add_(1.0)  # the master copy
                 opt.state_averager.state_version += 1
-            assert opt._digest_of_this_epoch() != mine
-            assert not opt._round_left_states_equal(gathered)
+            assert opt.rounds.digest() != mine
+            assert not opt.rounds.left_states_equal(gathered)
         finally:
             shutdown_all(*opts)
 
@@ -962,3 +965,56 @@ def test_average_opt_statistics_averages_those_optimizer_statistics_only():
             assert max_difference(snapshot(models[0]), snapshot(models[1])) < 1e-6
         finally:
             shutdown_all(*opts)
+
+
+#: hivemind 1.1.12's ``Optimizer.__init__``: keyword-only names and defaults, in order
+#: (``...``: required). Ours may add keywords after these, never change them.
+_HIVEMIND_1_1_12 = (
+    ("dht", ...),
+    ("run_id", ...),
+    ("target_batch_size", ...),
+    ("batch_size_per_step", None),
+    ("optimizer", ...),
+    ("params", None),
+    ("scheduler", None),
+    ("matchmaking_time", 15.0),
+    ("averaging_timeout", 60.0),
+    ("allreduce_timeout", None),
+    ("next_chunk_timeout", None),
+    ("load_state_timeout", 600.0),
+    ("reuse_grad_buffers", False),
+    ("offload_optimizer", None),
+    ("delay_optimizer_step", None),
+    ("delay_grad_averaging", False),
+    ("delay_state_averaging", True),
+    ("average_state_every", 1),
+    ("use_local_updates", False),
+    ("client_mode", None),
+    ("auxiliary", False),
+    ("grad_compression", NoCompression),
+    ("grad_averager_factory", None),
+    ("state_averaging_compression", NoCompression),
+    ("load_state_compression", NoCompression),
+    ("average_opt_statistics", ()),
+    ("extra_tensors", ()),
+    ("averager_opts", None),
+    ("tracker_opts", None),
+    ("performance_ema_alpha", 0.1),
+    ("shutdown_timeout", 5),
+    ("verbose", False),
+)
+
+
+def test_the_optimizer_signature_starts_with_hivemind_1_1_12s():
+    parameters = list(inspect.signature(swarmgrad.Optimizer.__init__).parameters.values())[1:]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters)
+    for parameter, (name, default) in zip(parameters, _HIVEMIND_1_1_12, strict=False):
+        assert parameter.name == name
+        if default is ...:
+            assert parameter.default is inspect.Parameter.empty, name
+        elif default is NoCompression:
+            assert isinstance(parameter.default, NoCompression), name
+        else:
+            assert parameter.default == default and type(parameter.default) is type(default), name
+    added = [p for p in parameters[len(_HIVEMIND_1_1_12) :]]
+    assert all(p.default is not inspect.Parameter.empty for p in added)

@@ -39,6 +39,7 @@ from swarmgrad.dht import DHT
 from swarmgrad.integrations._extras import missing_extra
 from swarmgrad.integrations.epoch_scheduler import EpochScheduler
 from swarmgrad.optim import Optimizer
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 
 try:
@@ -102,9 +103,9 @@ class SwarmgradStrategy(Strategy):
         dht: DHT | None = None,
         **optimizer_kwargs: Any,
     ):
-        _check_positive_int("target_batch_size", target_batch_size)
+        positive_int("target_batch_size", target_batch_size)
         if batch_size is not None:
-            _check_positive_int("batch_size", batch_size)
+            positive_int("batch_size", batch_size)
         if not isinstance(run_id, str) or not run_id:
             raise ValidationError(f"run_id must be a non-empty str, got {run_id!r}")
         if scheduler_fn is not None and not callable(scheduler_fn):
@@ -349,11 +350,6 @@ def _initial_peers(given: str | Sequence[str] | None, from_env: str | None) -> l
                 f"initial_peers must be multiaddr strings, got {type(peer).__name__}: {peer!r}"
             )
     return peers
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValidationError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_optimizer_kwargs(kwargs: dict) -> None:

@@ -47,6 +47,7 @@ from swarmgrad.integrations._extras import missing_extra
 from swarmgrad.integrations.epoch_scheduler import EpochScheduler
 from swarmgrad.optim import Optimizer
 from swarmgrad.optim.optimizer_state import optimizer_parameters
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 
 try:
@@ -100,10 +101,8 @@ class SwarmgradCallback(TrainerCallback):
             ("max_epochs", max_epochs),
             ("backup_every_epochs", backup_every_epochs),
         ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value <= 0
-            ):
-                raise ValidationError(f"{name} must be a positive int, got {value!r}")
+            if value is not None:
+                positive_int(name, value)
         self.optimizer = optimizer
         self.max_epochs, self.backup_every_epochs = max_epochs, backup_every_epochs
         self.load_state_at_start = load_state_at_start

@@ -21,54 +21,36 @@ swarm talks H times less often than gradient averaging would (DiLoCo, Douillard 
         opt.step()          # an inner step; every ~500 steps per peer: the outer step
         opt.zero_grad()
 
-**When the swarm syncs.** Peers may run at different speeds, so "every H steps" is
-counted for the swarm: the outer step comes when the swarm has processed
-``num_inner_steps x batch_size x (number of peers)`` samples since the last one (each peer
-did H steps on average; faster peers did more and weigh more), or, with
-``target_batch_size``, that many samples. The epoch clock is the
-:class:`~.progress_tracker.ProgressTracker`'s, as for :class:`~.optimizer.Optimizer`,
-so all peers sync at once: a round that waited for stragglers would stall the fast.
+**When the swarm syncs.** The epoch clock is the
+:class:`~.progress_tracker.ProgressTracker`'s, through the same
+:class:`~.epoch_machinery.EpochMachinery` as :class:`~.optimizer.Optimizer` (of which
+this is a subclass): the outer step comes when the swarm has processed
+``num_inner_steps x batch_size x (number of peers)`` samples since the last one, or
+``target_batch_size`` if given, so all peers sync at once.
 
 **Streaming** (``num_fragments=F > 1``, Streaming DiLoCo, Douillard et al. 2025): the
-parameters are cut into F fragments of similar size; fragment f is synchronised when the
-epoch is ``(f + 1/2) / F`` done, in the background while inner steps go on, its round's
-writes spread over ``fragment_pace`` (half) of the time until the next fragment is due
-(:mod:`~swarmgrad.averaging.allreduce.pacing`), so that the swarm's peak bandwidth is about F times
-lower. The outer step at the epoch's end does not wait for rounds still running: they go
-on into the next epoch (a fragment's round must end before the same fragment is due
-again) and the writes keep their pace through the outer step instead of stopping for it.
-The pace comes from what the last epoch's rounds really wrote (codes are zlib-coded, so
-the codec's own estimate is an upper bound). :meth:`~DiLoCoOptimizer.shutdown` lets rounds
-already averaging finish and merges them, so the last sync is not lost. When a
-fragment's round finishes, the
-outer step is applied to that fragment and the result is merged into the model as
-``alpha x local + (1 - alpha) x synced`` (``fragment_merge_alpha``; the inner steps made
-meanwhile are kept in the local part).
-
-**Compression.** ``grad_compression`` encodes the pseudo-gradients on the wire (e.g.
-:class:`~swarmgrad.compression.Uniform8BitQuantization`). A lossy codec loses the
-rounding error only for one round: it is kept and added to the next pseudo-gradient
-(error feedback), so nothing is lost over time.
-
-**Joiners and failures.** The synced parameters, the outer optimizer's state and the
-epoch are shared with joiners (:class:`~.state_averager.TrainingStateAverager`); a peer
-that finds itself behind the swarm downloads them (its inner progress since its last
-sync is dropped). Rounds are tagged with the epoch and fragment, so pseudo-gradients of
-different syncs never meet. A round that fails (a peer died mid-round) leaves every span
-either averaged or this peer's own; a round that finds nobody uses this peer's own
-pseudo-gradient. A pseudo-gradient with NaN or Inf values is not sent: this peer takes
-the others' average (weight 0).
+parameters are cut into F fragments synchronised at staggered points of the epoch
+(:class:`~.fragment_schedule.FragmentSchedule`), in the background while inner steps go
+on, their writes paced (``fragment_pace``) so that the swarm's peak bandwidth is about F
+times lower; a finished fragment is merged as ``alpha x local + (1 - alpha) x synced``
+(``fragment_merge_alpha``). **Compression**: ``grad_compression`` encodes the
+pseudo-gradients, a lossy codec's rounding error is added to the next one (error
+feedback). **Joiners and failures**: the synced copy, the outer optimizer's state and the
+epoch are shared with joiners; rounds are tagged with epoch and fragment; a round that
+fails or finds nobody leaves this peer its own pseudo-gradient; a non-finite one is sent
+with weight 0. ``docs/slow-links.md`` and ``docs/design-notes.md`` ("Streaming DiLoCo")
+hold the measurements behind these choices.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import hashlib
 import logging
 import math
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,10 +63,25 @@ from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.compression.base import CompressionInfo
 from swarmgrad.dht.dht import DHT
 from swarmgrad.net.identity import PeerID
-from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_fields
+from swarmgrad.optim.diloco_setup import (
+    check_diloco_arguments,
+    compression_residuals,
+    default_outer_optimizer,
+    make_inner_optimizer,
+    make_scheduler,
+)
+from swarmgrad.optim.epoch_machinery import EpochMachinery
+from swarmgrad.optim.fragment_schedule import (
+    FragmentSchedule,
+    fragment_send_rate,
+    split_into_fragments,
+)
+from swarmgrad.optim.metrics import is_scalar_loss
+from swarmgrad.optim.optimizer import Optimizer
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
@@ -92,56 +89,14 @@ __all__ = ["DiLoCoOptimizer", "split_into_fragments"]
 
 logger = logging.getLogger(__name__)
 
-#: a paced fragment's round takes at most this share of ``averaging_timeout``, however
-#: long the epoch is thought to be: a misjudged epoch length must not stretch a round
-#: past its timeout (a fixed floor of 16 KB/s did that job before, and it held a 45-KB
-#: round at 16 KB/s where spreading it over the 3.3-s gap asked for 14)
-_MAX_PACED_SHARE_OF_TIMEOUT = 0.25
-#: the pace is what the last epoch's rounds wrote (per value, for the mean fragment)
-#: times this margin, so that a round a little larger than the last does not push the
-#: next ones later and later
-_PACE_MARGIN = 1.05
-#: ... and never below this share of the codec's estimate (the last epoch may have had a
-#: failed round or fewer peers)
-_MIN_SHARE_OF_ESTIMATE = 0.6
 #: rounds that shutdown() finishes: their group formed and this peer released them
 _AVERAGING_STAGES = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 
 
 #: replicas a DiLoCo peer's progress read merges (ProgressTracker's read_quorum): its
-#: epochs last H inner steps, and a read a round trip older costs nothing there, while
-#: a streaming peer reads ~40 times a minute and reading every replica was most of its
-#: DHT traffic. The synchronous Optimizer keeps full reads (see ProgressTracker).
+#: epochs are long, so a slightly older read costs nothing, and full reads were most of
+#: a streaming peer's DHT traffic
 DILOCO_READ_QUORUM = 2
-
-
-def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
-    """DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def split_into_fragments(sizes: Sequence[int], num_fragments: int) -> list[list[int]]:
-    """Cut parameters (in model order, by element count) into ``num_fragments`` runs of
-    consecutive parameters with similar total sizes; every fragment gets at least one."""
-    if num_fragments > len(sizes):
-        raise ValidationError(
-            f"num_fragments={num_fragments} is more than the model's {len(sizes)} parameter "
-            "tensors: every fragment needs at least one"
-        )
-    total = sum(sizes)
-    fragments: list[list[int]] = [[] for _ in range(num_fragments)]
-    done, current = 0, 0
-    for index, size in enumerate(sizes):
-        left_tensors = len(sizes) - index
-        left_fragments = num_fragments - current - 1
-        # move on once this fragment has its share, or when the rest need a tensor each
-        if fragments[current] and (
-            left_tensors <= left_fragments or done >= total * (current + 1) / num_fragments
-        ):
-            current += 1
-        fragments[current].append(index)
-        done += size
-    return fragments
 
 
 class _Fragment:
@@ -157,7 +112,7 @@ class _Fragment:
         self.counted_result: Any = None  # the last round whose paced bytes were counted
 
 
-class DiLoCoOptimizer(torch.optim.Optimizer):
+class DiLoCoOptimizer(Optimizer):
     """See the module docstring. Arguments: ``dht``, ``run_id`` (peers with the same id
     train together), ``batch_size`` (samples per :meth:`step`), ``num_inner_steps`` (H),
     ``inner_optimizer`` (a factory ``callable(params)`` with ``params``, or a ready
@@ -201,52 +156,25 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         verbose: bool = False,
         metrics: bool | dict = True,
     ):
-        for name, value in (("batch_size", batch_size), ("num_inner_steps", num_inner_steps)):
-            _check_positive_int(name, value)
-        _check_positive_int("num_fragments", num_fragments)
-        if target_batch_size is not None:
-            _check_positive_int("target_batch_size", target_batch_size)
-        if num_fragments > 1 and num_inner_steps < num_fragments:
-            raise ValidationError(
-                f"num_inner_steps={num_inner_steps} is fewer than num_fragments="
-                f"{num_fragments}: each fragment must sync at most once per inner step"
-            )
-        if fragment_pace is not None and (
-            isinstance(fragment_pace, bool)
-            or not isinstance(fragment_pace, int | float)
-            or not 0 < fragment_pace <= 1
-        ):
-            raise ValidationError(f"fragment_pace must be in (0, 1] or None, got {fragment_pace!r}")
-        if not isinstance(fragment_merge_alpha, int | float) or not 0 <= fragment_merge_alpha < 1:
-            raise ValidationError(
-                f"fragment_merge_alpha must be in [0, 1), got {fragment_merge_alpha!r}"
-            )
-        for name, value in (
-            ("matchmaking_time", matchmaking_time),
-            ("averaging_timeout", averaging_timeout),
-            ("load_state_timeout", load_state_timeout),
-        ):
-            if not isinstance(value, int | float) or not 0 < value < float("inf"):
-                raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not isinstance(run_id, str) or not run_id:
-            raise ValidationError(f"run_id must be a non-empty str, got {run_id!r}")
-        if not dht.is_alive():
-            raise ValidationError("the DHT is not running: start it before the optimizer")
-        if not callable(outer_optimizer) or hasattr(outer_optimizer, "param_groups"):
-            raise ValidationError(
-                "outer_optimizer must be a factory, e.g. lambda params: torch.optim.SGD(params, "
-                "lr=0.7, momentum=0.9, nesterov=True): it works on the synced copy"
-            )
-        self.inner_optimizer = _make_inner_optimizer(inner_optimizer, params)
+        check_diloco_arguments(
+            dht=dht,
+            run_id=run_id,
+            batch_size=batch_size,
+            num_inner_steps=num_inner_steps,
+            outer_optimizer=outer_optimizer,
+            target_batch_size=target_batch_size,
+            num_fragments=num_fragments,
+            fragment_merge_alpha=fragment_merge_alpha,
+            fragment_pace=fragment_pace,
+            timeouts={
+                "matchmaking_time": matchmaking_time,
+                "averaging_timeout": averaging_timeout,
+                "load_state_timeout": load_state_timeout,
+            },
+        )
+        self.inner_optimizer = make_inner_optimizer(inner_optimizer, params)
         main_params = optimizer_parameters(self.inner_optimizer)
-        self.scheduler = None
-        if scheduler is not None:
-            try:
-                self.scheduler = scheduler(self.inner_optimizer)
-            except Exception as e:
-                raise ValidationError(
-                    f"the scheduler factory raised {type(e).__name__}: {e}"
-                ) from e
+        self.scheduler = make_scheduler(scheduler, self.inner_optimizer)
 
         self.dht, self.run_id = dht, run_id
         self.client_mode = dht.client_mode if client_mode is None else bool(client_mode)
@@ -269,12 +197,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             else bool(error_feedback)
         )
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
+        self.schedule = FragmentSchedule(num_fragments)
         self._restart_epoch_count()
-        self._closed = False
-        self._check_sync_on_next_update = True
         self._resync = False  # a round showed that synced copies differ across peers
-        self._left_behind = False  # a round found nobody: the others were past its epoch
         self._state_offer_pending = False  # the epoch's state is declared once it is whole
+        # what the Optimizer's shared methods read: DiLoCo's inner steps are local updates
+        self.auxiliary, self.grad_averager, self.shutdown_timeout = False, None, 1.0
+        self._parent_pid = os.getpid()
 
         averager_opts = dict(averager_opts or {})
         self.tracker = ProgressTracker(
@@ -287,7 +216,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             **{"read_quorum": DILOCO_READ_QUORUM, **(tracker_opts or {})},
         )
         self.fragments: list[_Fragment] = []
-        self.metrics: MetricsPublisher | None = None
         try:
             self.state_averager = TrainingStateAverager(
                 dht=dht,
@@ -303,31 +231,44 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 start=True,
                 **without_bans(averager_opts),  # the fragments' averagers ban
             )
-            masters = optimizer_parameters(self.state_averager.optimizer)
-            sizes = [p.numel() for p in masters]
-            for index, members in enumerate(split_into_fragments(sizes, num_fragments)):
-                averager = DecentralizedAverager(
-                    [masters[i].grad for i in members],
-                    dht,
-                    prefix=f"{run_id}_outer_grads{index}",
-                    compression=grad_compression,
-                    min_matchmaking_time=self.matchmaking_time,
-                    client_mode=self.client_mode,
-                    allow_state_sharing=False,
-                    start=True,
-                    **averager_opts,
-                )
-                self.fragments.append(_Fragment(index, members, averager))
-                # a re-average of the copies leaves out whoever a fragment's averager banned
-                self.state_averager.follow_bans_of(averager)
-            if metrics:
-                options = dict(metrics) if isinstance(metrics, dict) else {}
-                self.metrics = MetricsPublisher(dht, run_id, self._collect_metrics, **options)
+            self._make_fragments(num_fragments, averager_opts)
+            self.epochs = EpochMachinery(
+                run_id=run_id,
+                tracker=self.tracker,
+                state_averager=self.state_averager,
+                client_mode=self.client_mode,
+                matchmaking_time=self.matchmaking_time,
+                averaging_timeout=self.averaging_timeout,
+                load_state_timeout=self.load_state_timeout,
+                catch_up_without_state=False,
+                status_loglevel=self.status_loglevel,
+            )
+            self.epochs.start_metrics(dht, metrics, self._collect_metrics)
         except BaseException:
             self._shutdown_parts()
             raise
         self.main_parameters = tuple(main_params)
         self._masters = tuple(optimizer_parameters(self.state_averager.optimizer))
+
+    def _make_fragments(self, num_fragments: int, averager_opts: dict) -> None:
+        """One averager per fragment, over the synced copy's .grad (the pseudo-gradient)."""
+        masters = optimizer_parameters(self.state_averager.optimizer)
+        sizes = [p.numel() for p in masters]
+        for index, members in enumerate(split_into_fragments(sizes, num_fragments)):
+            averager = DecentralizedAverager(
+                [masters[i].grad for i in members],
+                self.dht,
+                prefix=f"{self.run_id}_outer_grads{index}",
+                compression=self.grad_compression,
+                min_matchmaking_time=self.matchmaking_time,
+                client_mode=self.client_mode,
+                allow_state_sharing=False,
+                start=True,
+                **averager_opts,
+            )
+            self.fragments.append(_Fragment(index, members, averager))
+            # a re-average of the copies leaves out whoever a fragment's averager banned
+            self.state_averager.follow_bans_of(averager)
 
     # ------------------------------------------------------------------ torch API
 
@@ -348,9 +289,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return self.state_averager.optimizer
 
     @property
-    def local_epoch(self) -> int:
-        """Outer steps taken (by this peer, and by the swarm when in sync)."""
-        return self.state_averager.local_epoch
+    def opt(self) -> torch.optim.Optimizer:
+        """The inner optimizer (``optimizer=`` in DiLoCo mode)."""
+        return self.inner_optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
@@ -386,12 +327,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for mine, theirs in zip(self._masters, synced, strict=True):
                 mine.copy_(theirs)
-        self.state_averager.local_epoch = int(state_dict["epoch"])
-        with self.tracker.pause_updates():
-            self.tracker.update_epoch(new_epoch=self.local_epoch)
-
-    def is_synchronized_with_peers(self) -> bool:
-        return self.local_epoch >= self.tracker.global_epoch - 1
+        self.epochs.set_epoch(state_dict["epoch"])
 
     # ------------------------------------------------------------------ stepping
 
@@ -400,17 +336,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise ValidationError("this DiLoCoOptimizer was shut down")
         if batch_size is not None:
-            _check_positive_int("batch_size", batch_size)
+            positive_int("batch_size", batch_size)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            if self.metrics is not None and is_scalar_loss(loss):
-                self.metrics.report_loss(loss)
+            if is_scalar_loss(loss):
+                self.epochs.report_loss(loss)
         self._apply_finished_fragments(wait=False)
         if self._state_offer_pending:
             self._offer_state()
-        if self._should_load_state_from_peers():
+        if self.epochs.should_load_state():
             logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
             self.load_state_from_peers()
             return loss
@@ -422,26 +358,27 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.tracker.report_local_progress(self.local_epoch, self.samples_since_sync)
         self.tracker.target_batch_size = self._target(self.tracker.global_progress.num_peers)
 
-        progress = self._epoch_fraction()
-        streaming = len(self.fragments) > 1
-        for fragment in self.fragments if streaming else ():  # all in the background
-            due = (fragment.index + 0.5) / len(self.fragments)
-            if fragment.synced_epoch < self.local_epoch:
-                if progress >= due and self._alone() and self._found_peers_on_a_last_look():
-                    # the target grew with the peers found: the fragment may not be due yet
-                    self.tracker.target_batch_size = self._target(
-                        self.tracker.global_progress.num_peers
-                    )
-                    progress = self._epoch_fraction()
-                if progress >= due:
-                    self._launch(fragment)
-                else:
-                    self._maybe_schedule(fragment, fraction=due)
-        if not streaming:
-            self._maybe_schedule(self.fragments[0], fraction=1.0)
+        self._sync_due_fragments()
         if self.tracker.ready_to_update_epoch:
             self._outer_step()
         return loss
+
+    def _launched(self) -> list[int]:
+        return [fragment.synced_epoch for fragment in self.fragments]
+
+    def _sync_due_fragments(self) -> None:
+        """Launch the fragments the schedule says are due; seek groups for the rest."""
+        epoch, progress = self.local_epoch, self._epoch_fraction()
+        due = self.schedule.due_now(epoch, progress, self._launched())
+        if due and self.epochs.alone() and self.epochs.look_again_if_alone():
+            # the target grew with the peers found: the fragments may not be due yet
+            self.tracker.target_batch_size = self._target(self.tracker.global_progress.num_peers)
+            progress = self._epoch_fraction()
+            due = self.schedule.due_now(epoch, progress, self._launched())
+        for index in due:
+            self._launch(self.fragments[index])
+        for index, due_fraction in self.schedule.upcoming(epoch, self._launched()):
+            self._maybe_schedule(self.fragments[index], fraction=due_fraction)
 
     def _target(self, num_peers: int) -> int:
         if self.fixed_target is not None:
@@ -457,13 +394,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _epoch_fraction(self) -> float:
         """How much of the epoch is done: the samples counted in the last read, or the
-        swarm's extrapolated samples (records plus rates times their age) if further.
-        Counted samples lag (peers at a steady pace publish rarely), and streaming's
-        fragments bunched up in the epoch's second half: a 13-s epoch synced those due
-        at 1/4, 2/4 and 3/4 of it 6.6, 8.1 and 9.2 s in. Elapsed time since this peer's
-        epoch began fixed that but differs between peers in epoch 0, which each begins
-        at its own start: the first fragment's groups then split (2 + 2 of 4 peers); the
-        extrapolation is the same for every reader."""
+        swarm's extrapolated samples if further (counted samples lag; the extrapolation
+        is the same for every reader, unlike the time since this peer's epoch began)."""
         if self.tracker.ready_to_update_epoch:
             return 1.0
         progress = self.tracker.global_progress
@@ -472,10 +404,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _due_time(self, fraction: float) -> float:
         """DHT time at which the swarm's extrapolated samples reach ``fraction`` of the
-        epoch (inf before any rate is known); see :meth:`_epoch_fraction`. Not the ETA of
-        the epoch's end scaled: that ETA was computed against the target of its read, and
-        the target grows as peers are found (in epoch 0 a peer that had counted itself
-        alone launched the first fragment at once and split the group 2 + 2)."""
+        epoch (inf before any rate is known), computed against the current target, which
+        grows as peers are found."""
         progress = self.tracker.global_progress
         if progress.samples_per_second <= 0:
             return math.inf
@@ -498,38 +428,29 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         remaining = max(0.0, fraction * target - progress.samples_accumulated)
         left_in_epoch = max(1.0, target - progress.samples_accumulated)
         eta = to_epoch_end * min(1.0, remaining / left_in_epoch)  # the swarm's speed is steady
-        # _epoch_fraction reaches the fraction by extrapolated samples too, and counted
-        # samples lag (peers at a steady pace publish rarely): matchmaking that started by
-        # the counted samples alone came after the launch, and the late peer's group left
-        # it out
+        # the launch goes by extrapolated samples too: matchmaking must not start later
         eta = min(eta, max(0.0, self._due_time(fraction) - now))
         if eta > self.matchmaking_time:
             return
-        # Peers' estimates of the due time differ (by 2 s in epoch 0, when rates are in
-        # flux): a group that closed at its leader's estimate left out a peer that came
-        # 26 ms later, and the fragment's copies split 3 + 1. So a leader waits until
-        # half a matchmaking time past its estimate for the peers it does not have yet,
-        # and begins as soon as it has every peer the swarm counts. (Plain DiLoCo's one
-        # round blocks the outer step: there a missing peer would cost that wait.)
+        # peers' estimates of the due time differ: a streaming leader waits half a
+        # matchmaking time past its own for the peers it lacks, and begins as soon as it
+        # has all the swarm counts (plain DiLoCo's round blocks the outer step: no wait)
         slack = self.matchmaking_time / 2 if len(self.fragments) > 1 else 0.0
         fragment.scheduled = fragment.averager.step(
             scheduled_time=now + max(eta, 0.5) + slack,
             require_trigger=True,
             wait=False,
             timeout=self.averaging_timeout,
-            round_tag=f"outer{self.local_epoch}f{fragment.index}",
+            round_tag=self.schedule.round_tag(self.local_epoch, fragment.index),
             gather=self._synced_digest(fragment),
             expected_group_size=self._expected_group_size(),
             leader_hint=self._leader_hint(fragment),
         )
 
     def _offer_state(self) -> None:
-        """Declare this epoch's state to joiners (its priority: the epoch) once no round
-        of an earlier epoch is still running: streaming's late rounds go on past the
-        outer step, and a joiner that downloaded before they merged would hold another
-        copy of their fragments. It also keeps the declaration (a store to each of the
-        key's replicas) out of the outer step's second, which already carries the
-        progress stores: on a 20 Mbit/s link that second was a streaming peer's busiest."""
+        """Declare this epoch's state to joiners once no round of an earlier epoch is
+        still running (a joiner that downloaded before those merged would hold another
+        copy of their fragments)."""
         if self.client_mode:
             return
         self._state_offer_pending = any(
@@ -540,23 +461,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.state_averager.state_sharing_priority = self.local_epoch
 
     def _leader_hint(self, fragment: _Fragment) -> PeerID | None:
-        """The leader of the latest fragment group: for a later fragment, this epoch's
-        first one; for the first, the last epoch's last one (or first). The same peers
-        meet again, so their rounds join that leader directly instead of declaring and
-        reading through the DHT (see swarmgrad.averaging.matchmaking.driver): that control
-        traffic, in the middle of paced data, was what set a streaming peer's busiest
-        second. None in plain DiLoCo and when no such group is known (the first epoch, a
-        peer that just joined): then matchmaking goes through the DHT."""
-        if len(self.fragments) == 1:
-            return None
-        epoch, last_index = self.local_epoch, len(self.fragments) - 1
-        if fragment.index > 0:
-            candidates = [(0, epoch)]
-        else:
-            candidates = [(last_index, epoch - 1), (0, epoch - 1)]
-        for index, tag_epoch in candidates:
+        """The leader of the latest fragment group this round should join directly
+        (:meth:`.FragmentSchedule.leader_sources`), sparing the DHT the control traffic;
+        None when no such group is known: then matchmaking goes through the DHT."""
+        for index, tag_epoch in self.schedule.leader_sources(self.local_epoch, fragment.index):
             last = self.fragments[index].averager.last_group
-            if last is not None and last[0] == f"outer{tag_epoch}f{index}":
+            if last is not None and last[0] == self.schedule.round_tag(tag_epoch, index):
                 return last[1]
         return None
 
@@ -572,7 +482,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         weight = self._write_pseudo_gradient(fragment)
         control = fragment.scheduled
         fragment.scheduled = None
-        tag = f"outer{self.local_epoch}f{fragment.index}"
+        tag = self.schedule.round_tag(self.local_epoch, fragment.index)
         if control is not None and (control.done() or control.round_tag != tag):
             control.cancel()
             control = None
@@ -615,49 +525,35 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _fragment_send_rate(self) -> float | None:
         """Streaming: the rate that spreads a fragment's round over ``fragment_pace`` of
-        the time until the next fragment is due (None: full speed). Its result is not
-        needed before then, and a burst at full speed would make the link's peak as high
-        as DiLoCo's for a quarter of the bytes.
-
-        One rate for every fragment, from the model's mean fragment: tensors cannot be
-        cut, so fragments differ (the slow-links model's four hold 32.9k, 37.5k, 33.3k and
-        16.8k parameters), and a rate per fragment made the largest one's rate the
-        link's peak (19 kB/s against 9 for the smallest). The pacer is shared, so a larger
-        round runs into the next one's window and a smaller one makes the time up; the
-        last round ends when it did."""
+        the time until the next fragment is due (None: full speed), one rate for every
+        fragment from the model's mean fragment (:func:`.fragment_send_rate`)."""
         if self.fragment_pace is None or len(self.fragments) == 1:
             return None
         num_peers = self.tracker.global_progress.num_peers
-        # the longer of the swarm's estimate and the last epoch: an estimate that later
-        # grows (a joiner, a slower peer) would leave the round squeezed into its start
+        # the longer of the swarm's estimate and the last epoch (estimates grow later)
         epoch_length = max(
             self.tracker.estimated_next_update_time - self._epoch_began, self._last_epoch_length
         )
         if not 0 < epoch_length < math.inf:  # no swarm ETA yet (epoch 0): our own pace
             own_rate = self.tracker.performance_ema.samples_per_second
             epoch_length = self.num_inner_steps * self.batch_size / own_rate if own_rate else 0
-        if num_peers <= 1 or not 0 < epoch_length < math.inf:
-            return None
         payload = 0.0
         for index, master in enumerate(self._masters):
             info = CompressionInfo.from_tensor(master, key=index)
             ratio = self.grad_compression.estimate_compression_ratio(info)
             payload += master.numel() * master.element_size() * ratio
-        payload /= len(self.fragments)
-        sent = 2 * (num_peers - 1) / num_peers * payload  # its parts out, its span back
-        measured = self._measured_bytes_per_round()
-        if measured is not None:  # what rounds really cost here, deflate included
-            sent = max(_PACE_MARGIN * measured, _MIN_SHARE_OF_ESTIMATE * sent)
-        window = self.fragment_pace * epoch_length / len(self.fragments)
-        timeout = self.averaging_timeout if self.averaging_timeout else 60.0
-        return max(sent / window, sent / (_MAX_PACED_SHARE_OF_TIMEOUT * timeout), 1024.0)
+        return fragment_send_rate(
+            payload_bytes=payload / len(self.fragments),
+            num_peers=num_peers,
+            window=self.schedule.pacing_window(epoch_length, self.fragment_pace),
+            measured_bytes=self._measured_bytes_per_round(),
+            timeout=self.averaging_timeout if self.averaging_timeout else 60.0,
+        )
 
     def _measured_bytes_per_round(self) -> float | None:
-        """What the mean fragment's round writes through the pacer, from the bytes per
-        value of the last epoch's worth of rounds (None: none finished yet). The codec's
-        estimate cannot know what zlib saves: it set a pace 12-14% too high. Per value,
-        since fragments differ (the slow-links model's hold 33k, 37k, 33k and 17k values):
-        the mean of the first two rounds alone set the first epoch's pace 17% too high."""
+        """What the mean fragment's round writes through the pacer, per value, from the
+        last epoch's worth of rounds (None: none finished yet): the codec's estimate
+        cannot know what deflate saves."""
         if not self._round_bytes:
             return None
         sent = sum(b for b, _ in self._round_bytes)
@@ -671,28 +567,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             fragment.counted_result = result
             numel = sum(self._masters[index].numel() for index in fragment.params)
             self._round_bytes.append((result.paced_bytes, numel))
-
-    def _wait_for_round(self, control: StepControl, epoch: int) -> Any:
-        """The round's result within averaging_timeout; None at once if it is still
-        looking for a group when peers already finished ``epoch`` (rounds carry the
-        epoch in their tag: it would wait out the timeout for nobody, and a peer that
-        pays that every epoch never catches up). The peer then finds itself behind and
-        loads the swarm's state."""
-        deadline = time.monotonic() + self.averaging_timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                return control.result(max(0.0, min(0.25, remaining)))
-            except concurrent.futures.TimeoutError:
-                if control.done():
-                    raise
-                if remaining <= 0.25:
-                    raise TimeoutError(f"the round took over {self.averaging_timeout} s") from None
-                if control.stage is AveragingStage.LOOKING_FOR_GROUP and (
-                    self.tracker.peers_ahead_of(epoch, refresh=False)
-                ):
-                    control.cancel()
-                    return None
 
     def _synced_digest(self, fragment: _Fragment) -> bytes:
         """A hash of this fragment's synced copy, shared in its round: members whose
@@ -728,7 +602,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             for grad, delta in zip(grads, deltas, strict=True):
                 grad.copy_(delta)
             if self.error_feedback:
-                fragment.residuals = _compression_residuals(
+                fragment.residuals = compression_residuals(
                     self.grad_compression, deltas, fragment.params
                 )
         return float(self.samples_since_sync)
@@ -745,7 +619,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         gathered = None
         if control is not None:
             try:
-                gathered = self._wait_for_round(control, fragment.running_epoch)
+                gathered = self.epochs.wait_for_round(control, fragment.running_epoch)
             except BaseException as e:
                 logger.log(self.status_loglevel, "%s: averaging failed: %r", self.run_id, e)
                 if not control.done():
@@ -760,15 +634,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 fragment.running_epoch,
                 len(gathered),
             )
-            if (
-                len(
-                    {
-                        bytes(d) if isinstance(d, bytes | bytearray) else None
-                        for d in gathered.values()
-                    }
-                )
-                > 1
-            ):
+            digests = {
+                bytes(d) if isinstance(d, bytes | bytearray) else None for d in gathered.values()
+            }
+            if len(digests) > 1:
                 logger.warning(
                     "%s: the synced copies of fragment %d differ across the group (an "
                     "earlier round split the swarm): re-averaging them after this step",
@@ -785,10 +654,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 fragment.running_epoch,
             )
             if self.tracker.peers_ahead_of(fragment.running_epoch, refresh=False):
-                # the others averaged this epoch without us and moved on: their state
-                # holds what we missed. Waiting for the next once-per-epoch check kept a
-                # joiner in a swarm of 0.2-s epochs one epoch behind, alone, to the end
-                self._left_behind = True
+                # the others averaged this epoch without us and moved on: load their
+                # state now rather than at the next once-per-epoch check
+                self.epochs.mark_left_behind()
         members = set(fragment.params)
         with torch.no_grad(), self.state_averager.state_lock():
             saved = [m.grad for m in self._masters]
@@ -830,44 +698,24 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             for main, synced in zip(self.main_parameters, self._masters, strict=True):
                 main.copy_(synced.to(main.device))
 
-    def _alone(self) -> bool:
-        return self.tracker.global_progress.num_peers <= 1
-
-    def _found_peers_on_a_last_look(self) -> bool:
-        """About to sync alone: read the swarm's progress once more, since peers that
-        started with us may not be counted yet (a streaming run's first fragment, due a
-        few seconds after start, went alone on one peer of four, and every later round
-        then found the copies apart and re-averaged the whole model). True if it found
-        some."""
-        try:
-            self.tracker.refresh(timeout=self.matchmaking_time)
-        except Exception as e:
-            logger.debug("%s: refreshing progress failed: %r", self.run_id, e)
-        return not self._alone()
-
     def _outer_step(self) -> None:
         """The epoch is due: sync the model (streaming: launch any fragment not launched
         yet), wait for the round (plain DiLoCo; streaming's rounds go on in the
         background), and move to the next epoch."""
         began = time.perf_counter()
-        # the epoch's length for pacing ends here, before the wait for its rounds: with
-        # the wait counted, slow rounds made a longer "epoch", slower pacing and slower
-        # rounds again (outer steps of 4, 10 and 18 s in one lab run)
+        # the epoch's length for pacing ends here, before the wait for its rounds (with
+        # it, slow rounds made slower pacing and slower rounds again)
         epoch_length = get_dht_time() - self._epoch_began
-        if self._alone():
-            self._found_peers_on_a_last_look()
-        streaming = len(self.fragments) > 1
+        self.epochs.look_again_if_alone()
+        streaming = self.schedule.streaming
         with self.tracker.pause_updates():
-            for fragment in self.fragments:
-                if fragment.synced_epoch < self.local_epoch:
-                    self._launch(fragment)
+            for index in self.schedule.left_for_outer_step(self.local_epoch, self._launched()):
+                self._launch(self.fragments[index])
             # plain DiLoCo's one round is the outer step; streaming's rounds go on
             self._apply_finished_fragments(wait=not streaming)
             self._resync_if_needed()
-            self.state_averager.local_epoch += 1
-            self.tracker.update_epoch(new_epoch=self.local_epoch)
+            self.epochs.enter_epoch(self.local_epoch + 1, offer_state=False)
             self._restart_epoch_count(epoch_length=epoch_length)
-            self._check_sync_on_next_update = True
             self._offer_state()
         logger.log(
             self.status_loglevel,
@@ -879,82 +727,35 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ staying in sync
 
-    def _should_load_state_from_peers(self) -> bool:
-        if self._left_behind:
-            self._left_behind = False
-            return True
-        if (
-            self._check_sync_on_next_update
-            and self.tracker.fetched_global_progress_this_epoch.is_set()
-        ):
-            self._check_sync_on_next_update = False
-            return self.local_epoch < self.tracker.global_epoch
-        return self.local_epoch < self.tracker.global_epoch - 1
-
-    def load_state_from_peers(self, **kwargs: Any) -> None:
-        """Download the synced parameters, the outer optimizer's state and the epoch; the
-        model continues from them (this peer's inner progress since its sync is dropped)."""
+    def _prepare_for_download(self) -> None:
+        """Rounds looking for a group are cancelled, rounds running are finished (the
+        download then replaces what they merged). This peer's inner progress since its
+        last sync is dropped with the state."""
         for fragment in self.fragments:
             if fragment.scheduled is not None:
                 fragment.scheduled.cancel()
                 fragment.scheduled = None
             if fragment.running is not None:
                 self._apply_fragment(fragment, fragment.running)
-        deadline = time.monotonic() + self.load_state_timeout
-        with self.tracker.pause_updates():
-            while (remaining := deadline - time.monotonic()) > 0:
-                try:
-                    loaded = self.state_averager.load_state_from_peers(timeout=remaining, **kwargs)
-                except ValidationError:
-                    raise
-                except Exception as e:
-                    logger.warning("%s: loading state failed (%r), retrying", self.run_id, e)
-                    loaded = None
-                if loaded is not None:
-                    break
-                if self.tracker.peers_ahead_of(self.local_epoch, timeout=remaining) == 0:
-                    break  # those ahead of us left: nothing newer to wait for
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-            if self.local_epoch < self.tracker.global_epoch - 1:
-                self.tracker.distrust_epochs_above(self.local_epoch)
-            self._restart_epoch_count()
-            for fragment in self.fragments:
-                fragment.residuals = None
-                fragment.synced_epoch = self.local_epoch - 1
-            self.tracker.update_epoch(new_epoch=self.local_epoch)
-            if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
 
-    # ------------------------------------------------------------------ metrics
+    def _continue_after_download(self) -> None:
+        self._restart_epoch_count()
+        for fragment in self.fragments:
+            fragment.residuals = None
+            fragment.synced_epoch = self.schedule.after_download(self.local_epoch)
 
-    def report(self, loss: Any = None) -> None:
-        """Tell ``swarmgrad monitor`` this peer's training loss (as
-        :meth:`.optimizer.Optimizer.report`)."""
-        if loss is not None and self.metrics is not None:
-            self.metrics.report_loss(loss)
-
-    def _collect_metrics(self) -> dict[str, Any]:
-        return training_fields(
-            "client" if self.client_mode else "trainer",
-            self.client_mode,
-            self.local_epoch,
-            self.tracker.performance_ema.samples_per_second,
-            [self.state_averager, *(f.averager for f in self.fragments)],
-        )
+    def _averagers(self) -> list[Any]:
+        return [self.state_averager, *(f.averager for f in self.fragments)]
 
     # ------------------------------------------------------------------ shutting down
 
     def shutdown(self, finish_rounds: bool = True) -> None:
-        """Leave the swarm. Streaming rounds that are already averaging (their group
-        formed, released by this peer) are finished first, within ``averaging_timeout``,
-        and merged, and so are rounds that ended since the last step: the outer step
-        does not wait for them, so without this the last epoch's late fragments would
-        be lost (a round that ended after the peer's last step was dropped, and its
-        synced copy differed from its group's). Rounds still looking for a group are
-        cancelled. ``finish_rounds=False``: cancel everything at once."""
-        if self._closed:
+        """Leave the swarm. Streaming rounds already averaging, or ended since the last
+        step, are finished (within ``averaging_timeout``) and merged, since the outer
+        step does not wait for them and the last sync would be lost; rounds still looking
+        for a group are cancelled. ``finish_rounds=False``: cancel everything at once."""
+        if not self.epochs.begin_shutdown():
             return
-        self._closed = True
         for fragment in self.fragments:
             running = fragment.running
             if (
@@ -973,65 +774,22 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._shutdown_parts()
 
     def _shutdown_parts(self) -> None:
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.shutdown()
-        self.tracker.shutdown(timeout=1.0)
+        epochs = getattr(self, "epochs", None)
+        if epochs is not None:
+            epochs.say_goodbye(timeout=1.0)
+            epochs.close(f.averager for f in self.fragments)
+            return
+        self.tracker.shutdown(timeout=1.0)  # construction failed half-way
         for fragment in self.fragments:
             fragment.averager.shutdown()
         if getattr(self, "state_averager", None) is not None:
             self.state_averager.shutdown()
 
-    def __del__(self) -> None:
-        try:
-            if not self._closed and getattr(self, "fragments", None) is not None:
-                self.shutdown(finish_rounds=False)
-        except Exception:
-            pass
+    def _shutdown_when_collected(self) -> None:
+        self.shutdown(finish_rounds=False)
 
     def __repr__(self) -> str:
         return (
             f"DiLoCoOptimizer(run_id={self.run_id!r}, epoch={self.local_epoch}, "
             f"H={self.num_inner_steps}, fragments={len(self.fragments)})"
         )
-
-
-def _make_inner_optimizer(inner_optimizer: Any, params: Any) -> torch.optim.Optimizer:
-    if hasattr(inner_optimizer, "param_groups") and hasattr(inner_optimizer, "step"):
-        if params is not None:
-            raise ValidationError("params were given with a ready inner_optimizer: pass only one")
-        return inner_optimizer
-    if not callable(inner_optimizer):
-        raise ValidationError(
-            "inner_optimizer must be a factory (lambda params: torch.optim.AdamW(params)) "
-            f"with params=..., or a torch optimizer; got {type(inner_optimizer).__name__}"
-        )
-    if params is None:
-        raise ValidationError("inner_optimizer is a factory: pass params=model.parameters() too")
-    try:
-        made = inner_optimizer(list(params))
-    except Exception as e:
-        raise ValidationError(f"the inner_optimizer factory raised {type(e).__name__}: {e}") from e
-    if not hasattr(made, "param_groups"):
-        raise ValidationError(
-            f"the inner_optimizer factory returned a {type(made).__name__}, not an optimizer"
-        )
-    return made
-
-
-def _compression_residuals(
-    codec: CompressionBase, deltas: list[torch.Tensor], keys: Sequence[int]
-) -> list[torch.Tensor]:
-    """What the codec loses of each tensor, to be sent next time. The all-reduce encodes
-    parts of concatenated tensors (and the reducer encodes the average again), so this
-    is the bulk of the loss rather than its exact value."""
-    residuals = []
-    for delta, key in zip(deltas, keys, strict=True):
-        info = CompressionInfo.from_tensor(delta, key=key)
-        restored = codec.extract(codec.compress(delta, info))
-        residuals.append(delta - restored.to(delta.dtype).reshape(delta.shape))
-    return residuals
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValidationError(f"{name} must be a positive int, got {value!r}")

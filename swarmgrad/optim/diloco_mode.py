@@ -4,9 +4,10 @@ A hivemind script becomes a DiLoCo one by adding an outer optimizer, with no oth
 the ``optimizer`` it already passes becomes the inner optimizer (it steps every local
 step), and ``target_batch_size`` becomes the number of samples the swarm processes
 between two outer steps (so ``target_batch_size / (batch_size_per_step x peers)`` is H).
-The object built is a :class:`~.diloco.DiLoCoOptimizer`; this module maps the
-``Optimizer`` arguments onto it and refuses, by name, those that mean nothing without
-gradient averaging, rather than silently ignoring them.
+The object built is a :class:`DiLoCoMode`: a :class:`~.diloco.DiLoCoOptimizer` (and so
+an :class:`~.optimizer.Optimizer`) whose constructor takes the ``Optimizer`` arguments.
+This module maps them onto the DiLoCo ones and refuses, by name, those that mean
+nothing without gradient averaging, rather than silently ignoring them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from swarmgrad.compression import NoCompression
 from swarmgrad.optim.diloco import DiLoCoOptimizer
 from swarmgrad.utils.errors import ValidationError
 
-__all__ = ["diloco_from_optimizer_arguments"]
+__all__ = ["DiLoCoMode", "diloco_from_optimizer_arguments"]
 
 # Optimizer arguments passed on under the same name.
 _SAME_NAME = (
@@ -55,14 +56,29 @@ _GRADIENT_MODE_ONLY = {
 _DILOCO_OPTS = ("num_inner_steps", "num_fragments", "fragment_merge_alpha", "error_feedback")
 
 
+class DiLoCoMode(DiLoCoOptimizer):
+    """What ``Optimizer(..., outer_optimizer=...)`` returns: a DiLoCoOptimizer built from
+    the ``Optimizer`` arguments (see :func:`diloco_arguments`)."""
+
+    def __init__(self, *, outer_optimizer: Any, diloco_opts: dict | None = None, **arguments: Any):
+        super().__init__(**diloco_arguments(outer_optimizer, diloco_opts, arguments))
+
+
 def diloco_from_optimizer_arguments(
     *, outer_optimizer: Any, diloco_opts: dict | None = None, **arguments: Any
 ) -> DiLoCoOptimizer:
     """Build the :class:`DiLoCoOptimizer` that ``Optimizer(**arguments,
-    outer_optimizer=...)`` stands for (module docstring). ``diloco_opts`` may set
-    ``num_fragments``, ``fragment_merge_alpha``, ``error_feedback`` and
-    ``num_inner_steps`` (default: ``target_batch_size // batch_size_per_step``, the H of
-    a peer training alone; used to check the fragment count)."""
+    outer_optimizer=...)`` stands for (module docstring)."""
+    return DiLoCoMode(outer_optimizer=outer_optimizer, diloco_opts=diloco_opts, **arguments)
+
+
+def diloco_arguments(outer_optimizer: Any, diloco_opts: dict | None, arguments: dict) -> dict:
+    """The :class:`DiLoCoOptimizer` arguments for these ``Optimizer`` ``arguments``.
+    ``diloco_opts`` may set ``num_fragments``, ``fragment_merge_alpha``,
+    ``error_feedback`` and ``num_inner_steps`` (default: ``target_batch_size //
+    batch_size_per_step``, the H of a peer training alone; used to check the fragment
+    count)."""
+    arguments = dict(arguments)
     for name, default in _GRADIENT_MODE_ONLY.items():
         value = arguments.pop(name, default)
         if not _is_default(value, default):
@@ -99,7 +115,7 @@ def diloco_from_optimizer_arguments(
     }
     if arguments:
         raise ValidationError(f"unexpected arguments for DiLoCo mode: {sorted(arguments)}")
-    return DiLoCoOptimizer(
+    return dict(
         batch_size=batch_size,
         inner_optimizer=inner,
         outer_optimizer=outer_optimizer,

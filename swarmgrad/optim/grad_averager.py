@@ -39,6 +39,7 @@ from swarmgrad.averaging.allreduce import AveragingMode
 from swarmgrad.averaging.averager import DecentralizedAverager
 from swarmgrad.averaging.step_control import StepControl
 from swarmgrad.dht.dht import DHT
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
@@ -146,8 +147,7 @@ class GradientAverager(DecentralizedAverager):
     @torch.no_grad()
     def accumulate_grads_(self, batch_size: int) -> None:
         """Add the parameters' current gradients, computed on ``batch_size`` samples."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValidationError(f"batch_size must be a positive int, got {batch_size!r}")
+        positive_int("batch_size", batch_size)
         self.local_samples_accumulated += batch_size
         self.local_times_accumulated += 1
         self._folded = False  # new gradients: the next send folds them into the momentum

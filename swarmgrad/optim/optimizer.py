@@ -40,7 +40,6 @@ offloaded optimizer is refused rather than racing with backward.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import time
@@ -50,26 +49,44 @@ from typing import Any
 
 import torch
 
-from swarmgrad.averaging.allreduce import GroupMismatch
 from swarmgrad.averaging.robust.offenders import without_bans
-from swarmgrad.averaging.step_control import AveragingStage, StepControl
+from swarmgrad.averaging.step_control import StepControl
 from swarmgrad.compression import CompressionBase, NoCompression
 from swarmgrad.dht.dht import DHT
-from swarmgrad.optim.diloco_mode import diloco_from_optimizer_arguments
+from swarmgrad.optim.epoch_machinery import EpochMachinery
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
+from swarmgrad.optim.gradient_rounds import GradientRounds, release
 from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_fields
+from swarmgrad.optim.optimizer_setup import (
+    check_arguments,
+    check_modes,
+    make_gradient_averager,
+    make_state_averager,
+)
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.optim.progress import LocalTrainingProgress
 from swarmgrad.optim.progress_tracker import ProgressTracker
-from swarmgrad.optim.state_averager import TrainingStateAverager
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = ["Optimizer"]
 
 logger = logging.getLogger(__name__)
+
+#: Optimizer arguments that go to the state averager as they are
+_STATE_AVERAGER_OPTIONS = (
+    "optimizer",
+    "params",
+    "scheduler",
+    "state_averaging_compression",
+    "load_state_compression",
+    "average_opt_statistics",
+    "extra_tensors",
+    "performance_ema_alpha",
+)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -107,13 +124,16 @@ class Optimizer(torch.optim.Optimizer):
     """
 
     def __new__(cls, *args: Any, outer_optimizer: Any = None, **kwargs: Any) -> Any:
-        # DiLoCo mode (``diloco_mode.py``): the same arguments plus an outer optimizer
-        # build a DiLoCoOptimizer, whose __init__ ran already, so Python skips ours.
-        if outer_optimizer is None:
+        # DiLoCo mode: ``Optimizer(..., outer_optimizer=...)`` makes a DiLoCoMode, the
+        # DiLoCoOptimizer (a subclass of ours) whose __init__ takes our arguments; Python
+        # then calls that __init__ with them. Subclasses construct themselves.
+        if outer_optimizer is None or cls is not Optimizer:
             return super().__new__(cls)
         if args:
             raise TypeError("Optimizer takes keyword arguments only")
-        return diloco_from_optimizer_arguments(outer_optimizer=outer_optimizer, **kwargs)
+        from swarmgrad.optim.diloco_mode import DiLoCoMode  # diloco imports this module
+
+        return super().__new__(DiLoCoMode)
 
     def __init__(
         self,
@@ -159,27 +179,21 @@ class Optimizer(torch.optim.Optimizer):
                 "diloco_opts needs outer_optimizer (DiLoCo mode); without it, leave it out"
             )
         self._parent_pid = os.getpid()
-        _check_positive_int("target_batch_size", target_batch_size)
-        if batch_size_per_step is not None:
-            _check_positive_int("batch_size_per_step", batch_size_per_step)
-        _check_positive_int("average_state_every", average_state_every)
-        for name, value in (
-            ("matchmaking_time", matchmaking_time),
-            ("averaging_timeout", averaging_timeout),
-            ("allreduce_timeout", allreduce_timeout),
-            ("next_chunk_timeout", next_chunk_timeout),
-            ("load_state_timeout", load_state_timeout),
-            ("shutdown_timeout", shutdown_timeout),
-        ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-            ):
-                raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not isinstance(run_id, str) or not run_id:
-            raise ValidationError(f"run_id must be a non-empty str, got {run_id!r}")
-        if dht.peer is None:
-            raise ValidationError("the DHT is not running: start it before the Optimizer")
-
+        check_arguments(
+            dht=dht,
+            run_id=run_id,
+            target_batch_size=target_batch_size,
+            batch_size_per_step=batch_size_per_step,
+            average_state_every=average_state_every,
+            timeouts={
+                "matchmaking_time": matchmaking_time,
+                "averaging_timeout": averaging_timeout,
+                "allreduce_timeout": allreduce_timeout,
+                "next_chunk_timeout": next_chunk_timeout,
+                "load_state_timeout": load_state_timeout,
+                "shutdown_timeout": shutdown_timeout,
+            },
+        )
         # hivemind reads `client_mode if client_mode is None else dht.client_mode`, which
         # drops an explicit client_mode=True; here an explicit value wins.
         client_mode = dht.client_mode if client_mode is None else bool(client_mode)
@@ -193,8 +207,8 @@ class Optimizer(torch.optim.Optimizer):
         # next_chunk_timeout stays None unless given: hivemind defaults it to
         # matchmaking_time, which turned a short matchmaking window into a fixed per-part
         # deadline that excluded every peer on a slow link (the averagers' own waits adapt
-        # to the throughput they see, see averaging/allreduce/deadlines.py)
-        _check_modes(
+        # to the throughput they see, see averaging/deadlines.py)
+        check_modes(
             client_mode=client_mode,
             auxiliary=auxiliary,
             batch_size_per_step=batch_size_per_step,
@@ -225,16 +239,7 @@ class Optimizer(torch.optim.Optimizer):
         self.load_state_timeout, self.shutdown_timeout = load_state_timeout, shutdown_timeout
         self.next_chunk_timeout = next_chunk_timeout
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
-        self.scheduled_grads: StepControl | None = None
         self.scheduled_state: StepControl | None = None
-        self._group_error: BaseException | None = None
-        self._missed_round = False  # our gradient round found nobody while peers were there
-        # synchronous mode: a state round among peers whose states are equal is skipped
-        self._compare_states = not (use_local_updates or delay_optimizer_step or auxiliary)
-        self._state_digest: tuple[tuple[int, int], bytes] | None = None  # (epoch, version)
-        self._result_before_round: Any = None  # grad averager's last result, before ours
-        self._states_equal = False
-        self._closed = False
 
         self.tracker = ProgressTracker(
             dht,
@@ -247,50 +252,27 @@ class Optimizer(torch.optim.Optimizer):
             **(tracker_opts or {}),
         )
         try:
-            averager_opts = dict(averager_opts or {})
-            # with a gradient averager, bans act there only (offenders.without_bans)
-            state_opts = averager_opts if use_local_updates else without_bans(averager_opts)
-            self.state_averager = TrainingStateAverager(
-                dht=dht,
-                prefix=f"{run_id}_state_averager",
+            self._make_averagers(
                 optimizer=optimizer,
                 params=params,
                 scheduler=scheduler,
-                offload_optimizer=offload_optimizer,
-                custom_gradients=offload_optimizer,
-                delta_rule_averaging=use_local_updates and delay_state_averaging,
-                compression=state_averaging_compression,
-                state_compression=load_state_compression,
+                use_local_updates=use_local_updates,
+                reuse_grad_buffers=reuse_grad_buffers,
+                grad_compression=grad_compression,
+                grad_averager_factory=grad_averager_factory,
+                state_averaging_compression=state_averaging_compression,
+                load_state_compression=load_state_compression,
                 average_opt_statistics=average_opt_statistics,
                 extra_tensors=extra_tensors,
                 performance_ema_alpha=performance_ema_alpha,
-                min_matchmaking_time=matchmaking_time,
-                allreduce_timeout=allreduce_timeout,
-                next_chunk_timeout=next_chunk_timeout,
-                shutdown_timeout=shutdown_timeout,
-                status_loglevel=self.status_loglevel,
-                client_mode=client_mode,
-                auxiliary=auxiliary,
-                start=True,
-                **state_opts,
+                averager_opts=dict(averager_opts or {}),
             )
-            self.grad_averager: GradientAverager | None = None
-            if not use_local_updates:
-                self.grad_averager = self._make_gradient_averager(
-                    grad_averager_factory,
-                    reuse_grad_buffers=reuse_grad_buffers,
-                    compression=grad_compression,
-                    **averager_opts,
-                )
-                # a peer banned for its gradients does not pull our parameters either
-                self.state_averager.follow_bans_of(self.grad_averager)
         except BaseException:
             self.tracker.shutdown(timeout=1.0)
             if getattr(self, "state_averager", None) is not None:
                 self.state_averager.shutdown()
             raise
-
-        self._check_sync_on_next_update = True
+        self._make_machinery()
         self._schema = self._parameter_schema()
         # time from the start of an epoch transition to the state averaging call, so that
         # the state round can be scheduled ahead too
@@ -298,43 +280,81 @@ class Optimizer(torch.optim.Optimizer):
         # torch.amp's GradScaler looks at this: with reused buffers it must not unscale
         # the accumulated gradients at every local step (see GradScaler)
         self._step_supports_amp_scaling = reuse_grad_buffers
-        self.metrics: MetricsPublisher | None = None
-        if metrics:
-            options = dict(metrics) if isinstance(metrics, dict) else {}
-            try:
-                self.metrics = MetricsPublisher(dht, run_id, self._collect_metrics, **options)
-            except BaseException:
-                self.shutdown()
-                raise
+        try:
+            self.epochs.start_metrics(dht, metrics, self._collect_metrics)
+        except BaseException:
+            self.shutdown()
+            raise
         self._initialized = True
 
     # ------------------------------------------------------------------ construction
 
-    def _make_gradient_averager(self, factory: Any, **kwargs: Any) -> GradientAverager:
-        factory = factory if factory is not None else GradientAverager
-        averaged_grads = None
-        if self.offload_optimizer:
-            # the offloaded master copy's .grad buffers receive the average directly
-            averaged_grads = [p.grad for p in optimizer_parameters(self.state_averager.optimizer)]
-        try:
-            return factory(
-                self.state_averager.main_parameters,
-                dht=self.dht,
-                prefix=f"{self.run_id}_grad_averager",
-                min_matchmaking_time=self.matchmaking_time,
-                allreduce_timeout=self.allreduce_timeout,
-                next_chunk_timeout=self.next_chunk_timeout,
-                shutdown_timeout=self.shutdown_timeout,
-                client_mode=self.client_mode,
-                auxiliary=self.auxiliary,
-                averaged_grads=averaged_grads,
-                start=True,
-                **kwargs,
+    def _make_machinery(self) -> None:
+        """The epoch machinery and, with a gradient averager, the gradient rounds."""
+        self.epochs = EpochMachinery(
+            run_id=self.run_id,
+            tracker=self.tracker,
+            state_averager=self.state_averager,
+            client_mode=self.client_mode,
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+            load_state_timeout=self.load_state_timeout,
+            catch_up_without_state=True,
+            status_loglevel=self.status_loglevel,
+        )
+        self.rounds: GradientRounds | None = None
+        if self.grad_averager is not None:
+            self.rounds = GradientRounds(
+                run_id=self.run_id,
+                averager=self.grad_averager,
+                state_averager=self.state_averager,
+                tracker=self.tracker,
+                epochs=self.epochs,
+                offload_optimizer=self.offload_optimizer,
+                # synchronous mode: a state round among peers whose states are equal is
+                # skipped (with delayed steps or as an auxiliary, states differ anyway)
+                compare_states=not (self.delay_optimizer_step or self.auxiliary),
+                matchmaking_time=self.matchmaking_time,
+                averaging_timeout=self.averaging_timeout,
+                status_loglevel=self.status_loglevel,
             )
-        except ValidationError:
-            raise
-        except Exception as e:
-            raise ValidationError(f"grad_averager_factory raised {type(e).__name__}: {e}") from e
+
+    def _make_averagers(self, *, use_local_updates: bool, averager_opts: dict, **options: Any):
+        """The state averager and, unless with local updates, the gradient averager
+        (:mod:`.optimizer_setup`)."""
+        common = {
+            "dht": self.dht,
+            "run_id": self.run_id,
+            "matchmaking_time": self.matchmaking_time,
+            "allreduce_timeout": self.allreduce_timeout,
+            "next_chunk_timeout": self.next_chunk_timeout,
+            "shutdown_timeout": self.shutdown_timeout,
+            "client_mode": self.client_mode,
+            "auxiliary": self.auxiliary,
+        }
+        # with a gradient averager, bans act there only (offenders.without_bans)
+        state_opts = averager_opts if use_local_updates else without_bans(averager_opts)
+        self.state_averager = make_state_averager(
+            **common,
+            offload_optimizer=self.offload_optimizer,
+            delta_rule_averaging=use_local_updates and self.delay_state_averaging,
+            status_loglevel=self.status_loglevel,
+            averager_opts=state_opts,
+            **{k: options[k] for k in _STATE_AVERAGER_OPTIONS},
+        )
+        self.grad_averager: GradientAverager | None = None
+        if not use_local_updates:
+            self.grad_averager = make_gradient_averager(
+                options["grad_averager_factory"],
+                self.state_averager,
+                **common,
+                offload_optimizer=self.offload_optimizer,
+                reuse_grad_buffers=options["reuse_grad_buffers"],
+                compression=options["grad_compression"],
+                averager_opts=averager_opts,
+            )
+            # a peer banned for its gradients does not pull our parameters either
+            self.state_averager.follow_bans_of(self.grad_averager)
 
     def _parameter_schema(self) -> tuple:
         return tuple(
@@ -390,9 +410,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = {**state_dict, "state": dict(state_dict["state"])}
-        if "local_epoch" in state_dict["state"]:
-            self.state_averager.local_epoch = int(state_dict["state"].pop("local_epoch"))
+        epoch = state_dict["state"].pop("local_epoch", None)
         self.state_averager.optimizer.load_state_dict(state_dict)
+        if epoch is not None:
+            self.epochs.set_epoch(epoch)
         self.state_averager._update_scheduler()
         self.state_averager.state_version += 1
 
@@ -437,7 +458,24 @@ class Optimizer(torch.optim.Optimizer):
 
     def is_synchronized_with_peers(self) -> bool:
         """Whether this peer is at most one epoch behind the swarm."""
-        return self.local_epoch >= self.tracker.global_epoch - 1
+        return self.epochs.is_synchronized()
+
+    @property
+    def metrics(self) -> MetricsPublisher | None:
+        """This peer's metrics record for ``swarmgrad monitor`` (None with metrics=False)."""
+        epochs = getattr(self, "epochs", None)
+        return None if epochs is None else epochs.metrics
+
+    @property
+    def scheduled_grads(self) -> StepControl | None:
+        """The gradient round scheduled for this epoch, if any (hivemind's attribute)."""
+        rounds = getattr(self, "rounds", None)
+        return None if rounds is None else rounds.scheduled
+
+    @property
+    def _closed(self) -> bool:
+        epochs = getattr(self, "epochs", None)
+        return True if epochs is None else epochs.closed
 
     # ------------------------------------------------------------------ step
 
@@ -451,7 +489,7 @@ class Optimizer(torch.optim.Optimizer):
         and, when the swarm has reached ``target_batch_size``, move to the next epoch:
         average, update, maybe average the state. Returns the closure's loss."""
         if self._closed:
-            raise ValidationError("this Optimizer was shut down")
+            raise ValidationError(f"this {type(self).__name__} was shut down")
         if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
             raise ValidationError(
                 "grad_scaler must be a swarmgrad.GradScaler (torch's does not know that "
@@ -470,18 +508,19 @@ class Optimizer(torch.optim.Optimizer):
                     "pass batch_size to step() or batch_size_per_step to the Optimizer"
                 )
         elif batch_size is not None:
-            _check_positive_int("batch_size", batch_size)
-        self._raise_group_error()
+            positive_int("batch_size", batch_size)
+        if self.rounds is not None:
+            self.rounds.raise_group_error()
 
         self.state_averager.step(apply_delayed_updates=True)  # a finished background update
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            if self.metrics is not None and is_scalar_loss(loss):
-                self.metrics.report_loss(loss)
+            if is_scalar_loss(loss):
+                self.epochs.report_loss(loss)
 
-        if not self.auxiliary and (self._missed_round or self._should_load_state_from_peers()):
+        if not self.auxiliary and self.epochs.should_load_state():
             logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
             self.load_state_from_peers()
             return loss  # these gradients were computed on stale parameters
@@ -491,7 +530,7 @@ class Optimizer(torch.optim.Optimizer):
         if self.use_gradient_averaging:
             if not self.auxiliary and not self._accumulate(batch_size, grad_scaler):
                 return loss
-            self._maybe_schedule_gradient_averaging()
+            self.rounds.maybe_schedule()
             self._maybe_schedule_state_averaging()
         elif not self.auxiliary:
             if grad_scaler is not None:
@@ -515,21 +554,23 @@ class Optimizer(torch.optim.Optimizer):
         tensor); each metrics record carries the mean of the losses reported since the
         previous one. ``step(closure)`` reports the closure's loss itself. Does nothing
         when the Optimizer was made with ``metrics=False``."""
-        if loss is not None and self.metrics is not None:
-            self.metrics.report_loss(loss)
+        self.epochs.report_loss(loss)
 
     def _collect_metrics(self) -> dict[str, Any]:
-        """The fields of this peer's metrics record that the Optimizer knows (called on
+        """The fields of this peer's metrics record that the optimizer knows (called on
         the event loop thread by the MetricsPublisher)."""
-        averagers = [a for a in (self.state_averager, self.grad_averager) if a is not None]
         role = "auxiliary" if self.auxiliary else "client" if self.client_mode else "trainer"
         return training_fields(
             role,
             self.client_mode,
             self.local_epoch,
             self.tracker.performance_ema.samples_per_second,
-            averagers,
+            self._averagers(),
         )
+
+    def _averagers(self) -> list[Any]:
+        """Every averager of this optimizer, the state averager first."""
+        return [a for a in (self.state_averager, self.grad_averager) if a is not None]
 
     def _accumulate(self, batch_size: int, grad_scaler: GradScaler | None) -> bool:
         """Add this batch's gradients; False (and a reset) if they are not finite."""
@@ -554,13 +595,7 @@ class Optimizer(torch.optim.Optimizer):
                 "the optimizer's parameters changed shape or dtype during training; every "
                 "peer of a run must keep the same tensors"
             )
-        if self.tracker.global_progress.num_peers <= 1:
-            # About to step alone: look once more, in case peers started with us unseen
-            # (a read costs one DHT lookup; a lone epoch costs the swarm its sync).
-            try:
-                self.tracker.refresh(timeout=self.matchmaking_time)
-            except Exception as e:
-                logger.debug("%s: refreshing progress failed: %r", self.run_id, e)
+        self.epochs.look_again_if_alone()
         began = time.perf_counter()
         with self.tracker.pause_updates():
             wait_for_trigger = None
@@ -568,13 +603,16 @@ class Optimizer(torch.optim.Optimizer):
                 logger.log(self.status_loglevel, "%s: epoch %d ends", self.run_id, self.local_epoch)
                 if self.delay_optimizer_step:
                     self.state_averager.step(wait_for_delayed_updates=True)
-                control = self._begin_averaging_gradients(grad_scaler)
+                if grad_scaler is not None:
+                    with grad_scaler.running_global_step():
+                        grad_scaler.unscale_(self)
+                control = self.rounds.begin()
                 if control is None:
-                    self._load_local_gradients()
+                    self.rounds.use_local()
                 elif self.delay_grad_averaging:
-                    wait_for_trigger = partial(self._finish_averaging_gradients, control)
+                    wait_for_trigger = partial(self.rounds.finish, control)
                 else:
-                    self._finish_averaging_gradients(control)
+                    self.rounds.finish(control)
 
             next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
             # the count is frozen while the epoch ends; a read since may show the others
@@ -587,7 +625,7 @@ class Optimizer(torch.optim.Optimizer):
                 self.state_averager.drop_round_without_group()
             # every peer of the swarm started this epoch with our state and applies the
             # same averaged gradients: a state round would move bytes and change nothing
-            states_equal, self._states_equal = self._states_equal, False
+            states_equal = self.rounds is not None and self.rounds.take_states_equal()
             average_state = (
                 swarm_not_empty
                 and next_epoch % self.average_state_every == 0
@@ -616,242 +654,18 @@ class Optimizer(torch.optim.Optimizer):
                 averaging_opts={"timeout": self.averaging_timeout} if average_state else None,
             )
             if self.scheduled_state is not None and self.scheduled_state is not state_control:
-                self._release(self.scheduled_state)
+                release(self.scheduled_state, self.averaging_timeout, self.run_id)
             self.scheduled_state = None
 
-            self.tracker.update_epoch(new_epoch=self.state_averager.local_epoch)
-            self._check_sync_on_next_update = True
-            if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
+            self.epochs.enter_epoch(self.state_averager.local_epoch)
             if self.use_gradient_averaging and not self.auxiliary:
                 assert self.grad_averager is not None
                 self.grad_averager.reset_accumulated_grads_()
             logger.log(self.status_loglevel, "%s: now at epoch %d", self.run_id, self.local_epoch)
-        if self._missed_round and not self.delay_grad_averaging and not self.auxiliary:
+        if self.epochs.left_behind and not self.delay_grad_averaging and not self.auxiliary:
             # our update used our own gradients while the swarm used its average: take
             # the swarm's state now, before the next batch is computed on ours
             self.load_state_from_peers()
-
-    def _begin_averaging_gradients(self, grad_scaler: GradScaler | None) -> StepControl | None:
-        """Release this epoch's gradient round (scheduled earlier, or now); None if there
-        is nobody to average with."""
-        assert self.grad_averager is not None
-        if grad_scaler is not None:
-            with grad_scaler.running_global_step():
-                grad_scaler.unscale_(self)
-        control = self.scheduled_grads
-        self.scheduled_grads = None
-        tag = self._gradient_round_tag()
-        if control is not None and (control.triggered or control.done()):
-            control = None  # used up (e.g. by a state download meanwhile)
-        if control is not None and control.round_tag != tag:
-            control.cancel()  # scheduled for an epoch this peer has left (a download)
-            control = None
-        if self.tracker.global_progress.num_peers <= 1:
-            if control is not None:
-                control.cancel()
-            return None
-        self._result_before_round = self.grad_averager.last_result
-        try:
-            return self.grad_averager.step(
-                control=control,
-                reset_accumulators=False,
-                wait=False,
-                timeout=self.averaging_timeout,
-                **(
-                    {}
-                    if control is not None
-                    else {
-                        "round_tag": tag,
-                        "gather": self._digest_of_this_epoch(),
-                    }
-                ),
-            )
-        except Exception as e:
-            logger.warning("%s: could not start averaging gradients: %r", self.run_id, e)
-            if control is not None and not control.done():
-                control.cancel()
-            return None
-
-    def _finish_averaging_gradients(self, control: StepControl) -> None:
-        """Wait for the gradient round; on failure use the local gradients."""
-        assert self.grad_averager is not None
-        # who must have averaged without us for our state to be the odd one out: after a
-        # round that found nobody, any peer at our epoch; after a round that failed (a
-        # member died), only peers already past it (the others fell back as we did, and
-        # the next state round brings everyone together without a download)
-        ahead_of = self.local_epoch - 1
-        try:
-            gathered = self._wait_for_round(control)
-        except GroupMismatch as e:
-            self._group_error = e  # our tensors are not the run's: the user must know
-            gathered, ahead_of = None, None
-        except BaseException as e:
-            logger.log(self.status_loglevel, "%s: averaging gradients failed: %r", self.run_id, e)
-            if not control.done():
-                control.cancel()
-            gathered, ahead_of = None, self.local_epoch
-        if gathered:
-            logger.log(
-                self.status_loglevel,
-                "%s: averaged gradients with %d peers",
-                self.run_id,
-                len(gathered),
-            )
-            self._states_equal = self._round_left_states_equal(gathered)
-        else:
-            if ahead_of is not None and self._peers_ahead_of(
-                ahead_of, fresh=ahead_of == self.local_epoch
-            ):
-                # peers at our epoch (or beyond) averaged without us: their state is the
-                # swarm's; peers behind us (paused, slow) are no reason to go back
-                logger.log(
-                    self.status_loglevel,
-                    "%s: no group for epoch %d although peers are training: will load "
-                    "their state after this update",
-                    self.run_id,
-                    self.local_epoch,
-                )
-                self._missed_round = True
-            # The buffers hold this peer's mean gradient (loaded before the round began),
-            # or whole spans of the average where a failed round got that far: either is
-            # a fair gradient. Not reloaded from the accumulators, which may already hold
-            # the next epoch's gradients when this runs in the background.
-            logger.log(self.status_loglevel, "%s: proceeding with local gradients", self.run_id)
-        self._use_averaged_gradients()
-
-    def _peers_ahead_of(self, epoch: int, *, fresh: bool) -> int:
-        """Live peers past ``epoch``. After a failed round the question is whether the
-        others finished our epoch a moment ago, which a stale read would miss (a joiner
-        then stepped on its own gradients and began the next epoch apart): read the
-        swarm again, within matchmaking_time."""
-        if not fresh:
-            return self.tracker.peers_ahead_of(epoch, refresh=False)
-        try:
-            return self.tracker.peers_ahead_of(epoch, timeout=self.matchmaking_time)
-        except Exception as e:
-            logger.debug("%s: reading progress failed: %r", self.run_id, e)
-            return self.tracker.peers_ahead_of(epoch, refresh=False)
-
-    def _round_left_states_equal(self, gathered: dict) -> bool:
-        """Do all peers of the swarm hold the same state after this round? Only if every
-        one of them was in it with the digest of our state as it is now (a digest sent
-        before a background state round changed our state is stale), and the round
-        averaged every span from every member (a span kept local differs across peers).
-        A peer that judges otherwise runs a state round; peers that judged equal wrongly
-        see different digests in the next epoch's round and run one then."""
-        mine = self._digest_of_this_epoch()
-        if mine is None or len(gathered) < self.tracker.global_progress.num_peers:
-            return False
-        if any(digest != mine for digest in gathered.values()):
-            return False
-        result = self.grad_averager.last_result if self.grad_averager is not None else None
-        return (
-            result is not None
-            and result is not self._result_before_round
-            and result.fully_averaged
-            and not result.deadline_exceeded
-        )
-
-    def _wait_for_round(self, control: StepControl) -> Any:
-        """The round's result, within averaging_timeout. A round still looking for its
-        group once peers have moved past our epoch, or once every other peer has left,
-        will never find one (rounds are tagged with the epoch): it is cancelled rather
-        than waited for."""
-        began = time.monotonic()
-        deadline, asked = began + self.averaging_timeout, False
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                return control.result(max(0.0, min(0.25, remaining)))
-            except concurrent.futures.TimeoutError:
-                if control.done():
-                    raise  # the round's own error
-                if remaining <= 0.25:
-                    raise TimeoutError(
-                        f"the gradient round took over {self.averaging_timeout} s"
-                    ) from None
-                if control.stage is not AveragingStage.LOOKING_FOR_GROUP:
-                    continue
-                if not asked and time.monotonic() - began > self.matchmaking_time:
-                    # no group within a matchmaking time: read the swarm now (and, while
-                    # the epoch ends, every min_refresh_period) to learn who is left
-                    self.tracker.request_fetch()
-                    asked = True
-                moved_on = self.tracker.peers_ahead_of(self.local_epoch, refresh=False)
-                if moved_on:
-                    control.cancel()
-                    logger.log(
-                        self.status_loglevel,
-                        "%s: %d peer(s) finished epoch %d without us",
-                        self.run_id,
-                        moved_on,
-                        self.local_epoch,
-                    )
-                    return None
-                if self.tracker.others_left():
-                    control.cancel()
-                    logger.log(
-                        self.status_loglevel,
-                        "%s: every other peer left during epoch %d: no group to wait for",
-                        self.run_id,
-                        self.local_epoch,
-                    )
-                    return None
-
-    def _use_averaged_gradients(self) -> None:
-        """Put the averaged gradients where the optimizer reads them."""
-        assert self.grad_averager is not None
-        if not self.offload_optimizer:  # else they already are in the optimizer's .grad
-            params = optimizer_parameters(self.state_averager.optimizer)
-            with torch.no_grad(), self.grad_averager.get_tensors() as averaged:
-                for param, grad in zip(params, averaged, strict=True):
-                    if param.grad is None:
-                        param.grad = grad.clone().to(param.device)
-                    else:
-                        param.grad.copy_(grad)
-        self.grad_averager.notify_used_averaged_gradients()
-
-    def _load_local_gradients(self) -> None:
-        """No round averaged anything: step on this peer's own mean gradient."""
-        assert self.grad_averager is not None
-        logger.log(self.status_loglevel, "%s: proceeding with local gradients", self.run_id)
-        self.grad_averager.load_accumulators_into_averager_()
-        self._use_averaged_gradients()
-
-    def _maybe_schedule_gradient_averaging(self) -> None:
-        """If the epoch ends within matchmaking_time, start looking for its group now."""
-        assert self.grad_averager is not None
-        eta = self.tracker.estimated_next_update_time - get_dht_time()
-        if eta > self.matchmaking_time:
-            return
-        control = self.scheduled_grads
-        if control is None or control.triggered or control.done():
-            eta = max(eta, self.grad_averager._options["min_matchmaking_time"])
-            self.scheduled_grads = self.grad_averager.schedule_step(
-                scheduled_time=get_dht_time() + eta,
-                timeout=self.averaging_timeout,
-                round_tag=self._gradient_round_tag(),
-                gather=self._digest_of_this_epoch(),
-            )
-
-    def _digest_of_this_epoch(self) -> bytes | None:
-        """This epoch's state digest, shared in the gradient round's gather (None when
-        states are not compared). In synchronous mode the state changes during an epoch
-        only when a background state round or a download is applied (which bumps the
-        state version), so it is computed once per epoch and version."""
-        if not self._compare_states:
-            return None
-        key = (self.local_epoch, self.state_averager.state_version)
-        if self._state_digest is None or self._state_digest[0] != key:
-            self._state_digest = (key, self.state_averager.state_digest())
-        return self._state_digest[1]
-
-    def _gradient_round_tag(self) -> str:
-        """Gradients of one epoch are averaged only with gradients of the same epoch: a
-        peer that ends an epoch after the others moved on (a late joiner, a slow peer)
-        would otherwise join their next round and mix stale gradients into it."""
-        return f"epoch{self.local_epoch}"
 
     def _maybe_schedule_state_averaging(self) -> None:
         """Likewise for the state round of the coming epoch, if it averages the state."""
@@ -888,215 +702,59 @@ class Optimizer(torch.optim.Optimizer):
             self.status_loglevel, "%s: auxiliary, moving to epoch %d", self.run_id,
             self.tracker.global_epoch,
         )  # fmt: skip
-        if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            self.scheduled_grads.cancel()
-        self.scheduled_grads = None
+        if self.rounds is not None:
+            self.rounds.drop_scheduled("cancel")
         with self.tracker.pause_updates():
-            self.state_averager.local_epoch = self.tracker.global_epoch
-            self.tracker.update_epoch(new_epoch=self.local_epoch)
-
-    def _should_load_state_from_peers(self) -> bool:
-        """Once per epoch, after a fresh read of the swarm's progress, a peer must be at
-        the swarm's epoch exactly; otherwise only when it is more than one behind (it may
-        be about to move with the others)."""
-        if (
-            self._check_sync_on_next_update
-            and self.tracker.fetched_global_progress_this_epoch.is_set()
-        ):
-            self._check_sync_on_next_update = False
-            return self.local_epoch != self.tracker.global_epoch
-        return self.local_epoch < self.tracker.global_epoch - 1
+            self.epochs.enter_epoch(self.tracker.global_epoch, offer_state=False)
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
-        """Download the freshest state of the run (parameters, optimizer, scheduler, epoch)
-        and continue from it. Retries until ``load_state_timeout``; if no donor has a
-        state as new as some peers claim, those claims are ignored from then on."""
-        if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            self._tag_along_with_zero_weight(self.scheduled_grads)
-            self.scheduled_grads = None
+        """Download the freshest state of the run and continue from it (retried until
+        ``load_state_timeout``; :meth:`.EpochMachinery.load_state`)."""
+        self._prepare_for_download()
+        self.epochs.load_state(after=self._continue_after_download, **kwargs)
+
+    def _prepare_for_download(self) -> None:
+        """Rounds in flight go ahead without this peer's contribution; a delayed update
+        finishes before the state it applies to is replaced."""
+        if self.rounds is not None:
+            self.rounds.drop_scheduled("tag_along")
         self.state_averager.step(wait_for_delayed_updates=True)
-        self._missed_round = False
-        deadline = time.monotonic() + self.load_state_timeout
-        with self.tracker.pause_updates():
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    logger.warning(
-                        "%s: no state could be loaded within %.0f s; continuing from our own",
-                        self.run_id,
-                        self.load_state_timeout,
-                    )
-                    break
-                try:
-                    loaded = self.state_averager.load_state_from_peers(timeout=remaining, **kwargs)
-                except ValidationError:
-                    raise  # the run's state does not fit our model: retrying cannot help
-                except Exception as e:
-                    logger.warning("%s: loading state failed (%r), retrying", self.run_id, e)
-                    time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                    continue
-                if loaded is None:
-                    if self.tracker.peers_ahead_of(self.local_epoch, timeout=remaining) == 0:
-                        # those we were behind have left (a goodbye, or their records
-                        # expired): there is nothing newer to wait for
-                        logger.log(
-                            self.status_loglevel,
-                            "%s: no donor answered and no peer is ahead any more; "
-                            "continuing from our own state",
-                            self.run_id,
-                        )
-                        break
-                    logger.log(self.status_loglevel, "%s: no donor answered", self.run_id)
-                    time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                    continue
-                break
-            global_epoch = self.tracker.global_epoch
-            if self.local_epoch < global_epoch - 1:
-                # the best donor is older than what some peers claim: they cannot back it
-                self.tracker.distrust_epochs_above(self.local_epoch)
-            elif self.local_epoch < global_epoch:
-                logger.log(
-                    self.status_loglevel, "%s: catching up with epoch %d", self.run_id, global_epoch
-                )
-                self.state_averager.local_epoch = global_epoch
-                self.state_averager._update_scheduler()
-            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
-            if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
-            if self.use_gradient_averaging:
-                assert self.grad_averager is not None
-                self.grad_averager.reset_accumulated_grads_()
 
-    def _tag_along_with_zero_weight(self, control: StepControl) -> None:
-        """Let a scheduled round go ahead without our contribution (cancelling it would
-        make the group's other members search again)."""
-        if not control.triggered:
-            control.weight = 0
-            control.allow_allreduce()
-        try:
-            control.result(self.averaging_timeout)
-        except BaseException as e:
-            logger.debug("%s: a round we tagged along failed: %r", self.run_id, e)
-            if not control.done():
-                control.cancel()
-
-    def _release(self, control: StepControl) -> None:
-        if control.cancel_if_ungrouped() or control.done():
-            return
-        self._tag_along_with_zero_weight(control)
-
-    def _raise_group_error(self) -> None:
-        error, self._group_error = self._group_error, None
-        if error is not None:
-            raise error
+    def _continue_after_download(self) -> None:
+        """Gradients accumulated on the old parameters are dropped."""
+        self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+        if self.use_gradient_averaging:
+            assert self.grad_averager is not None
+            self.grad_averager.reset_accumulated_grads_()
 
     # ------------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
         """Say goodbye, finish pending work and leave (idempotent)."""
-        if self._closed:
+        if not self.epochs.begin_shutdown():
             return
-        self._closed = True
         logger.log(self.status_loglevel, "%s: leaving", self.run_id)
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.shutdown(min(2.0, self.shutdown_timeout))
-        self.tracker.shutdown(self.shutdown_timeout)
+        self.epochs.say_goodbye(self.shutdown_timeout)
         if self.state_averager.drop_round_without_group():
             logger.log(self.status_loglevel, "%s: dropped a state round with no group", self.run_id)
         self.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
-        for control in (self.scheduled_grads, self.scheduled_state):
-            if control is not None:
-                self._release(control)
-        self.scheduled_grads = self.scheduled_state = None
-        self.state_averager.shutdown()
-        if self.grad_averager is not None:
-            self.grad_averager.shutdown()
+        if self.rounds is not None:
+            self.rounds.drop_scheduled("release")
+        if self.scheduled_state is not None:
+            release(self.scheduled_state, self.averaging_timeout, self.run_id)
+        self.scheduled_state = None
+        self.epochs.close([self.grad_averager])
+
+    def _shutdown_when_collected(self) -> None:
+        """What ``__del__`` does with an optimizer nobody shut down."""
+        self.shutdown()
 
     def __del__(self) -> None:
-        if getattr(self, "_parent_pid", None) == os.getpid() and not getattr(self, "_closed", True):
+        if getattr(self, "_parent_pid", None) == os.getpid() and not self._closed:
             try:
-                self.shutdown()
+                self._shutdown_when_collected()
             except Exception:  # interpreter shutdown: nothing left to talk to
                 pass
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(run_id={self.run_id!r}, epoch={self.local_epoch})"
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(f"{name} must be a positive int, got {value!r}")
-    if value <= 0:
-        raise ValidationError(f"{name} must be a positive int, got {value}")
-
-
-def _check_modes(
-    *,
-    client_mode: bool,
-    auxiliary: bool,
-    batch_size_per_step: int | None,
-    use_local_updates: bool,
-    reuse_grad_buffers: bool,
-    delay_grad_averaging: bool,
-    delay_optimizer_step: bool,
-    offload_optimizer: bool,
-    grad_averager_factory: Any,
-    optimizer: Any,
-    params: Any,
-    scheduler: Any,
-) -> None:
-    """Refuse combinations that cannot work, each by name."""
-    if client_mode and auxiliary:
-        raise ValidationError(
-            "client_mode=True and auxiliary=True conflict: an auxiliary peer reduces others' "
-            "parts, so it must accept connections"
-        )
-    if auxiliary and batch_size_per_step is not None:
-        raise ValidationError(
-            "auxiliary=True conflicts with batch_size_per_step: it trains nothing"
-        )
-    if delay_grad_averaging and not delay_optimizer_step:
-        raise ValidationError("delay_grad_averaging=True needs delay_optimizer_step=True")
-    if use_local_updates:
-        for name, value in (
-            ("reuse_grad_buffers", reuse_grad_buffers),
-            ("delay_grad_averaging", delay_grad_averaging),
-            ("grad_averager_factory", grad_averager_factory is not None),
-        ):
-            if value:
-                raise ValidationError(
-                    f"use_local_updates=True conflicts with {name}: with local updates "
-                    "gradients are neither accumulated nor averaged"
-                )
-    if delay_optimizer_step and not offload_optimizer:
-        raise ValidationError(
-            "delay_optimizer_step=True needs offload_optimizer=True (and so an optimizer "
-            "factory with params): a delayed step on the model's own parameters would race "
-            "with the next forward and backward passes"
-        )
-    factory = callable(optimizer) and not hasattr(optimizer, "param_groups")
-    if factory:
-        if params is None:
-            raise ValidationError("optimizer is a factory: pass params=model.parameters() too")
-        if scheduler is not None and not callable(scheduler):
-            raise ValidationError(
-                "with an optimizer factory, scheduler must be a factory too: "
-                "callable(optimizer) -> scheduler"
-            )
-        if scheduler is not None and hasattr(scheduler, "state_dict"):
-            raise ValidationError(
-                "with an optimizer factory, pass scheduler=lambda opt: Scheduler(opt, ...), "
-                "not a scheduler built on another optimizer"
-            )
-    elif hasattr(optimizer, "param_groups") and hasattr(optimizer, "step"):
-        if params is not None:
-            raise ValidationError("params were given with a ready optimizer: pass only one")
-        if offload_optimizer:
-            raise ValidationError(
-                "offload_optimizer=True needs optimizer=lambda params: ... with params=..."
-            )
-    else:
-        raise ValidationError(
-            "optimizer must be a factory (optimizer=lambda params: torch.optim.Adam(params), "
-            f"with params=model.parameters()) or a torch optimizer, got {type(optimizer).__name__}"
-        )

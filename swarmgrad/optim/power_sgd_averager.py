@@ -108,6 +108,7 @@ import torch
 from swarmgrad.averaging.rounds import AveragingRound
 from swarmgrad.dht.dht import DHT
 from swarmgrad.optim.grad_averager import GradientAverager
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["PowerSGDGradientAverager", "PowerSGDState", "matrix_shape", "orthonormalize_"]
@@ -134,9 +135,7 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
 
 
 def check_rank(rank: Any) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise ValidationError(f"averager_rank must be a positive int, got {rank!r}")
-    return rank
+    return positive_int("averager_rank", rank)
 
 
 def check_min_compression_ratio(ratio: Any) -> float:

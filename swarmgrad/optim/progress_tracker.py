@@ -48,6 +48,7 @@ from swarmgrad.optim.progress import (
     TrainingProgressSchema,
     aggregate_progress,
 )
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.loop_thread import get_loop, run_coroutine, run_coroutine_future
 from swarmgrad.utils.timeutils import get_dht_time
@@ -252,8 +253,7 @@ class ProgressTracker:
 
     @target_batch_size.setter
     def target_batch_size(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValidationError(f"target_batch_size must be a positive int, got {value!r}")
+        positive_int("target_batch_size", value)
         with self._lock:
             if value == self._target_batch_size:
                 return

@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from swarmgrad.dht.dht import DHT
 from swarmgrad.optim.diloco import DiLoCoOptimizer
+from swarmgrad.utils.checks import positive_int, positive_seconds
 from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
 __all__ = ["SiteError", "SiteMismatch", "SiteOptimizer"]
@@ -124,15 +125,14 @@ class SiteOptimizer:
                 "torch.distributed.init_process_group() first (e.g. under torchrun)"
             )
         if batch_size_per_step is not None:
-            _check_positive_int("batch_size_per_step", batch_size_per_step)
+            positive_int("batch_size_per_step", batch_size_per_step)
         for name, value in (
             ("timeout", timeout),
             ("heartbeat_interval", heartbeat_interval),
             ("heartbeat_timeout", heartbeat_timeout),
             ("election_timeout", election_timeout),
         ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValidationError(f"{name} must be a positive number of seconds, got {value!r}")
+            positive_seconds(name, value)
         if heartbeat_timeout <= heartbeat_interval:
             raise ValidationError(
                 f"heartbeat_timeout ({heartbeat_timeout}) must exceed heartbeat_interval "
@@ -227,7 +227,7 @@ class SiteOptimizer:
             batch_size = self.batch_size_per_step
             if batch_size is None:
                 raise ValidationError("pass batch_size to step() or batch_size_per_step")
-        _check_positive_int("batch_size", batch_size)
+        positive_int("batch_size", batch_size)
         try:
             self._step(batch_size)
         except _RankLost as e:
@@ -560,11 +560,6 @@ class SiteOptimizer:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValidationError(f"{name} must be a positive int, got {value!r}")
 
 
 def _split_params(params: Iterable[Any]) -> tuple[list[str], list[torch.Tensor]]:
