@@ -17,7 +17,7 @@ swarmgrad (``swarmgrad.install_hivemind_alias()``) and checks, through the alias
 
 Prints a table of the gaps, then one JSON line with the three fractions and
 ``albert_epochs``, the global epoch the ALBERT-like programs reached
-(``benchmarks/results/albert_epochs.json``, written by ``tests/test_hivemind_programs.py``;
+(``benchmarks/results/albert_epochs.json``, written by ``tests/hivemind/test_hivemind_programs.py``;
 ``null`` when that test has not run). Targets: names >= 0.98, signatures >= 0.95,
 members >= 0.95. ``--markdown FILE`` also writes the per-name status table that
 ``docs/hivemind.md`` includes.

@@ -24,10 +24,10 @@ fi
 
 echo "== tests marked gpu (and the device-aware CLI tests)"
 timeout 900 python -m pytest -q -p no:cacheprovider -m gpu -rs \
-    tests/test_moe_client_devices.py tests/test_cli_train_run.py 2>&1 | tee "$OUT/pytest_gpu.log"
+    tests/moe/test_client_devices.py tests/cli/test_train_run.py 2>&1 | tee "$OUT/pytest_gpu.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 timeout 900 python -m pytest -q -p no:cacheprovider -x -k "device or fp16 or bf16" \
-    tests/test_cli_train_run.py 2>&1 | tee "$OUT/pytest_device.log"
+    tests/cli/test_train_run.py 2>&1 | tee "$OUT/pytest_device.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== benchmarks/gpu_training.py"

@@ -1,0 +1,77 @@
+"""TrainingStateAverager over loopback: a state round in the background keeps the local
+progress made while it ran (the delta rule)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmgrad.dht import DHT
+from swarmgrad.optim import TrainingStateAverager
+from swarmgrad.optim.optimizer_state import optimizer_parameters
+from tests.helpers.optim import dht_swarm, local_step, make_model, snapshot, wait_until
+
+pytestmark = pytest.mark.slow
+
+LR = 0.1
+
+
+def make_state_averager(
+    dht: DHT, model: torch.nn.Module, *, offload_optimizer: bool
+) -> TrainingStateAverager:
+    return TrainingStateAverager(
+        dht=dht,
+        prefix="delta_rule",
+        optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+        params=model.parameters(),
+        offload_optimizer=offload_optimizer,
+        target_group_size=2,
+        min_matchmaking_time=0.5,
+        start=True,
+    )
+
+
+@pytest.mark.parametrize("offload_optimizer", [False, True])
+def test_local_step_made_during_a_background_round_is_kept_on_top_of_the_average(
+    offload_optimizer,
+):
+    """Peer 0 starts a state round in the background and, while it looks for a group,
+    takes an optimizer step. Peer 1 joins only after that step, so the round cannot end
+    before it. Peer 0 ends with the average plus its own step (``local += average -
+    copy``); peer 1, which changed nothing meanwhile, with the average itself."""
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(1)]
+        first, second = (
+            make_state_averager(d, m, offload_optimizer=offload_optimizer)
+            for d, m in zip(dhts, models, strict=True)
+        )
+        try:
+            pairs = zip(snapshot(models[0]), snapshot(models[1]), strict=True)
+            average = [(a + b) / 2 for a, b in pairs]
+            first.step(averaging_round=True, delay_averaging=True, averaging_opts={"timeout": 20})
+            # the round's copy of the state is taken before it looks for a group
+            wait_until(lambda: first._round_control is not None, 10, "peer 0's round to begin")
+            assert first.averaging_in_progress
+
+            local_step(models[0], torch.Generator().manual_seed(0))
+            grads = [p.grad.clone() for p in models[0].parameters()]
+            if offload_optimizer:  # the optimizer steps on the CPU master copy
+                for master, grad in zip(optimizer_parameters(first.optimizer), grads, strict=True):
+                    master.grad = grad.clone()
+            first.step(optimizer_step=True, wait_for_delayed_updates=False)
+            assert first.averaging_in_progress, "the round ended before peer 1 joined"
+
+            second.step(averaging_round=True, averaging_opts={"timeout": 20})
+            first.step(wait_for_delayed_updates=True)  # applies the finished round
+            assert not first.averaging_in_progress
+
+            for got, want in zip(snapshot(models[1]), average, strict=True):
+                assert torch.allclose(got, want, atol=1e-6)
+            for got, want, grad in zip(snapshot(models[0]), average, grads, strict=True):
+                assert torch.allclose(got, want - LR * grad, atol=1e-6)
+            # the step was large enough that losing it (or the average) would show
+            assert max(float((LR * g).abs().max()) for g in grads) > 1e-3
+            assert first.state_version == second.state_version == 1
+        finally:
+            first.shutdown()
+            second.shutdown()
