@@ -45,3 +45,21 @@ def run_checked(main, *, timeout: float = 60.0):
 @pytest.fixture
 def arun():
     return run_checked
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    """Put the ``swarmgrad`` and root loggers back as they were after each test: a test
+    that runs a command in-process (``main([...])``) installs the CLI's log handler, which
+    stops propagation and would hide later tests' records from ``caplog``."""
+    import logging
+
+    saved = [
+        (logger, list(logger.handlers), logger.level, logger.propagate)
+        for logger in (logging.getLogger("swarmgrad"), logging.getLogger())
+    ]
+    yield
+    for logger, handlers, level, propagate in saved:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate

@@ -132,9 +132,10 @@ class StageRouter:
         if not free:
             return min(candidates, key=lambda s: self._strikes[s.server].banned_until).server
         weights = self.weights(free, batch_size)
-        return self.rng.choices(
-            [s.server for s in free], weights=[weights[s.server] for s in free]
-        )[0]
+        drawn = [weights[s.server] for s in free]
+        if not 0 < math.fsum(drawn) < math.inf:  # rates so small (or large) they vanish
+            drawn = None  # in floating point: every free server equally likely
+        return self.rng.choices([s.server for s in free], weights=drawn)[0]
 
     # ------------------------------------------------------------------ outcomes
 

@@ -31,7 +31,7 @@ async def shutdown(*items):
     averagers before the DHT nodes they use, a node before its peer, which goes down
     with it."""
     for item in items:
-        for obj in item if isinstance(item, list | tuple) else (item,):
+        for obj in (item,) if hasattr(item, "shutdown") else item:
             await obj.shutdown()
             if isinstance(obj, DHTNode):
                 await obj.peer.shutdown()

@@ -738,7 +738,7 @@ def test_the_same_seed_gives_the_same_trace():
 
 
 def test_the_same_seed_gives_the_same_trace_in_processes_with_other_hash_seeds():
-    code = "import tests.test_sim_network as t; print(repr(t.traced_swarm(3)))"
+    code = "import tests.net.test_sim_network as t; print(repr(t.traced_swarm(3)))"
     outputs = []
     for hash_seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
