@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import threading
 import time
@@ -36,6 +37,8 @@ from swarmgrad.utils.timeutils import get_dht_time
 __all__ = ["StagePeer", "StagePeerOptions", "read_stage_loads"]
 
 logger = logging.getLogger(__name__)
+
+_RELEASED = ""  # the value of a move claim its peer gave up
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,7 @@ class StagePeer:
                 move.to_stage,
             ):
                 logger.info("rebalancing: the planned move changed on fresh records; staying")
+                self._release_move(move.from_stage)
                 return None
             self.move_to(move.to_stage)
             self.rebalancer.moved(time.monotonic())
@@ -178,14 +182,29 @@ class StagePeer:
 
         async def claim(_dht: Any, node: Any) -> bool:
             current = await node.get(key, latest=True)
-            if current is not None and current.value != me:
+            if current is not None and current.value not in (me, _RELEASED):
                 return False  # someone else's claim still holds
-            await node.store(key, me, expiration)
+            # a released claim is overwritten by a later expiration (the latest one wins)
+            floor = -math.inf if current is None else current.expiration_time + 1e-3
+            await node.store(key, me, max(expiration, floor))
             await asyncio.sleep(0.5)  # let concurrent claims land, then see who won
             found = await node.get(key, latest=True)
             return found is not None and found.value == me
 
         return bool(self.dht.run_coroutine(claim))
+
+    def _release_move(self, stage: int) -> None:
+        """Give up our claim on ``stage`` when we decide to stay after all: a claim that
+        outlived its decision would stop every other peer of the stage from moving for
+        the claim's whole hold time."""
+        key, me = f"{self.pipeline}.moving.{stage}", self.dht.peer_id.to_base58()
+
+        async def release(_dht: Any, node: Any) -> None:
+            current = await node.get(key, latest=True)
+            if current is not None and current.value == me:
+                await node.store(key, _RELEASED, current.expiration_time + 1e-3)
+
+        self.dht.run_coroutine(release)
 
     def move_to(self, stage: int) -> None:
         """Serve ``stage`` from now on, with its state taken from its peers."""
