@@ -197,7 +197,11 @@ def check_member(entry: dict, classes: dict[str, Any]) -> str | None:
     if isinstance(cls, Exception):
         return f"class missing ({type(cls).__name__})"
     name = entry["name"]
-    if hasattr(cls, name) or name in _self_attributes(cls):
+    try:  # static lookup: an attribute that raises when read (naming its replacement) is present
+        value = inspect.getattr_static(cls, name)
+    except AttributeError:
+        value = _MISSING
+    if value is not _MISSING or name in _self_attributes(cls):
         if entry["kind"] == "method" and not callable(getattr(cls, name, None)):
             return "a method in hivemind, not callable here"
         return None
