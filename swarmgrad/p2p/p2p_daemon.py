@@ -300,6 +300,71 @@ class P2P:
         handle down leaves the peer running."""
         return cls(peer, owns_peer=False, daemon_listen_maddr=_new_listen_maddr(peer.peer_id))
 
+    @classmethod
+    async def is_identity_taken(
+        cls,
+        identity_path: str,
+        *,
+        initial_peers: Sequence[Multiaddr | str] | None = None,
+        tls: bool = True,
+        use_auto_relay: bool = False,
+        use_ipfs: bool = False,
+        use_relay: bool = True,
+        timeout: float = 15,
+    ) -> bool:
+        """Whether a peer with the identity in ``identity_path`` is online in the swarm
+        reached through ``initial_peers`` (hivemind asks this before starting a peer with a
+        shared identity file).
+
+        A temporary client peer (it cannot be dialed, so it is never mistaken for the
+        owner) joins the DHT through ``initial_peers`` and looks up that PeerID's node id;
+        the identity is taken when a peer holding it answers. No initial peers: nobody to
+        ask, ``False``. None of them answering: :class:`PeerUnreachable` naming them. The
+        identity file must be a swarmgrad one (:class:`P2PDaemonError` otherwise: a
+        hivemind RSA file converts with ``swarmgrad identity import``). ``tls``,
+        ``use_auto_relay`` and ``use_ipfs`` are libp2p options (warned as in
+        :meth:`create`); ``timeout`` bounds the whole probe."""
+        try:
+            peer_id = Identity.load(identity_path).peer_id
+        except (IdentityFileError, OSError) as e:
+            raise P2PDaemonError(
+                f"cannot read the identity file {identity_path!r}: {e} (a hivemind identity "
+                f"file converts once with `swarmgrad identity import`)"
+            ) from e
+        if not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValidationError(f"timeout must be a positive number, got {timeout!r}")
+        warn_libp2p_only_options(dict(tls=tls, use_auto_relay=use_auto_relay, use_ipfs=use_ipfs))
+        if not initial_peers:
+            return False
+        from swarmgrad.dht.node import DHTNode  # the DHT sits above this package's imports
+        from swarmgrad.dht.routing import DHTID
+
+        probe = await cls.create(no_listen=True, use_relay=use_relay, startup_timeout=timeout)
+        node = None
+        try:
+            async with asyncio.timeout(timeout):
+                node = await DHTNode.create(
+                    probe.peer,
+                    initial_peers=list(initial_peers),
+                    client_mode=True,
+                    refresh_on_join=False,
+                    bootstrap_timeout=timeout,
+                )
+                if probe.peer.is_connected(peer_id):  # an initial peer holds it
+                    return True
+                nearest = await node.find_nearest_nodes(DHTID.for_peer(peer_id), k=1)
+                if not any(found == peer_id for _, found in nearest):
+                    return False
+                return probe.peer.is_connected(peer_id) or await node.ping(peer_id)
+        except TimeoutError:
+            raise P2PDaemonError(
+                f"could not tell in {timeout} seconds whether {peer_id} is online"
+            ) from None
+        finally:
+            if node is not None:
+                await node.shutdown()
+            await probe.shutdown()
+
     @staticmethod
     def generate_identity(identity_path: str) -> None:
         """Write a new identity (ed25519, mode 0600) to ``identity_path``."""
