@@ -333,7 +333,10 @@ class P2P:
             ) from e
         if not (isinstance(timeout, int | float) and timeout > 0):
             raise ValidationError(f"timeout must be a positive number, got {timeout!r}")
-        warn_libp2p_only_options(dict(tls=tls, use_auto_relay=use_auto_relay, use_ipfs=use_ipfs))
+        warn_libp2p_only_options(
+            dict(tls=tls, use_auto_relay=use_auto_relay, use_ipfs=use_ipfs),
+            where="P2P.is_identity_taken",
+        )
         if not initial_peers:
             return False
         from swarmgrad.dht.node import DHTNode  # the DHT sits above this package's imports
