@@ -13,7 +13,10 @@ the methods keep hivemind's names, arguments and async shapes:
   of swarmgrad. A request that does not parse is answered with an error (the caller gets
   :class:`P2PHandlerError`); the handler never sees it and the peer keeps serving.
 * ``add_binary_stream_handler`` / ``call_binary_stream_handler``: a raw bidirectional
-  stream with asyncio-style reader and writer objects.
+  stream with asyncio-style reader and writer objects, on which ``send_raw_data`` /
+  ``receive_raw_data`` and ``send_protobuf`` / ``receive_protobuf`` frame messages as
+  hivemind does (an 8-byte big-endian length; a marker byte before a message or an
+  ``RPCError``; ``END_OF_STREAM`` ends a direction), byte for byte.
 
 The wire is swarmgrad's (one RPC per multiplexed stream, see :mod:`swarmgrad.net.rpc`),
 not libp2p's: a hivemind peer and a swarmgrad peer cannot call each other, programs can.
