@@ -5,6 +5,7 @@ hivemind methods: msgpack handlers, binary streams, replicate, peers and options
 from __future__ import annotations
 
 import asyncio
+import inspect
 import pickle
 from collections.abc import AsyncIterator
 
@@ -611,6 +612,9 @@ def test_daemon_tables_raise_naming_the_replacement_and_the_type_aliases_exist()
     for name in ("DHT_MODE_MAPPING", "FORCE_REACHABILITY_MAPPING"):
         with pytest.raises(NotImplementedError, match=rf"P2P\.{name} .*no_listen=True"):
             getattr(P2P, name)
+        # also an AttributeError: introspection and mocks see the attribute as absent
+        assert not hasattr(P2P, name) and getattr(P2P, name, "default") == "default"
+    assert "create" in dict(inspect.getmembers(P2P))
     assert P2P.TInputStream == AsyncIterator[P2P.TInputProtobuf]
     assert P2P.TOutputStream == AsyncIterator[P2P.TOutputProtobuf]
 

@@ -75,7 +75,7 @@ from swarmgrad.utils.errors import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["P2P", "P2PContext", "is_protobuf_type"]
+__all__ = ["P2P", "P2PContext", "UnsupportedAttributeError", "is_protobuf_type"]
 
 try:  # the optional ``hivemind`` extra
     from google.protobuf.message import DecodeError as _DecodeError
@@ -111,11 +111,18 @@ def _decode(body: Any, message_type: Any, what: str) -> Any:
         raise ValidationError(f"{what} does not parse as {message_type.__name__}: {e}") from None
 
 
+class UnsupportedAttributeError(NotImplementedError, AttributeError):
+    """Reading a hivemind attribute that swarmgrad does not have; the message says what to
+    use instead. Also an ``AttributeError``, so ``hasattr``, ``getattr(..., default)``,
+    ``inspect`` and mocks treat the attribute as absent rather than failing."""
+
+
 class _Unsupported:
     """A class attribute of hivemind's ``P2P`` with no meaning here: reading it (on the
-    class or on a handle) raises ``NotImplementedError`` saying what to use instead. It
-    carries ``__hivemind_unsupported__`` as :func:`swarmgrad.utils.compat.unsupported`
-    does, so ``benchmarks/hivemind_api.py`` lists it as "raises, says: ..."."""
+    class or on a handle) raises :class:`UnsupportedAttributeError` saying what to use
+    instead. It carries ``__hivemind_unsupported__`` as
+    :func:`swarmgrad.utils.compat.unsupported` does, so ``benchmarks/hivemind_api.py``
+    lists it as "raises, says: ..."."""
 
     def __init__(self, instead: str):
         self.__hivemind_unsupported__ = instead
@@ -125,7 +132,7 @@ class _Unsupported:
         self._name = f"{owner.__name__}.{name}"
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        raise NotImplementedError(
+        raise UnsupportedAttributeError(
             f"{self._name} is hivemind machinery that swarmgrad does not have: "
             f"{self.__hivemind_unsupported__}"
         )
