@@ -585,6 +585,10 @@ def test_framing_is_hivemind_bytes_and_bad_frames_are_clear_errors(arun):
             await P2P.receive_protobuf(42, _reader_of(b"\x00" + _frame(body)))
         with pytest.raises(ValidationError, match="sends bytes, got a str"):
             await P2P.send_raw_data("text", Collect())
+        with pytest.raises(ValidationError, match="contiguous buffer"):
+            await P2P.send_raw_data(memoryview(b"abcdef")[::2], Collect())
+        await P2P.send_raw_data(memoryview(bytes(12)).cast("B", (3, 4)), Collect(), chunk_size=5)
+        assert await P2P.receive_raw_data(_reader_of(bytes(sent[-20:]))) == bytes(12)
         with pytest.raises(ValidationError, match="chunk_size must be a positive int"):
             await P2P.send_raw_data(b"x", Collect(), chunk_size=0)
         with pytest.raises(ValidationError, match="msgpack-able object, got a object"):

@@ -586,7 +586,10 @@ class P2P:
         if not isinstance(data, bytes | bytearray | memoryview):
             raise ValidationError(f"send_raw_data sends bytes, got a {type(data).__name__}")
         positive_int("chunk_size", chunk_size)
-        view = memoryview(data).cast("B")
+        view = memoryview(data)
+        if not view.c_contiguous:
+            raise ValidationError("send_raw_data sends a contiguous buffer, got a strided view")
+        view = view.cast("B")
         writer.write(len(view).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
         for offset in range(0, len(view), chunk_size):
             writer.write(view[offset : offset + chunk_size])
