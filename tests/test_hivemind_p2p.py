@@ -540,6 +540,20 @@ def test_raw_data_and_msgpack_messages_framed_both_ways_on_a_binary_stream(arun)
             await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
             assert await P2P.receive_protobuf(None, reader) == (None, P2P.END_OF_STREAM)
             assert await reader.read() == b""
+
+            # a message that is not what the handler expects: its error reaches the caller
+            _, reader, writer = await client.call_binary_stream_handler(server.peer_id, "reverse")
+            await P2P.send_raw_data(b"ok", writer)
+            assert await P2P.receive_raw_data(reader) == b"ko"
+            await P2P.send_protobuf({"no numbers": 1}, writer)
+            with pytest.raises(SwarmgradError, match="handler 'reverse' failed: KeyError"):
+                await P2P.receive_protobuf(None, reader)
+            # a caller that goes away mid-message: the handler's read fails, nothing hangs
+            _, reader, writer = await client.call_binary_stream_handler(server.peer_id, "reverse")
+            writer.write((100).to_bytes(8, "big") + b"only part")
+            writer.close()
+            with pytest.raises(SwarmgradError, match="ended 9 bytes into a 100-byte read"):
+                await reader.read()
         finally:
             await shutdown(client, server)
 

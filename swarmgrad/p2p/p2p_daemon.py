@@ -546,14 +546,30 @@ class P2P:
         self, name: str, handler: Callable[..., Any], balanced: bool = False
     ) -> None:
         """Serve ``async handler(stream_info, reader, writer)`` under ``name``: a raw
-        bidirectional byte stream; our side is closed when the handler returns."""
+        bidirectional byte stream; our side is closed when the handler returns. A handler
+        that raises resets the stream with the error's type and message (the caller's next
+        read raises it) and is logged; the peer goes on serving."""
 
         async def serve(stream: Any) -> None:
             info = StreamInfo(stream.remote_peer_id, None, name)
             writer = StreamWriter(stream)
-            await handler(info, StreamReader(stream), writer)
-            await writer.drain()
-            await writer.wait_closed()
+            try:
+                await handler(info, StreamReader(stream), writer)
+                await writer.drain()
+                await writer.wait_closed()
+            except SwarmgradError:
+                raise  # the peer resets the stream with the error's message
+            except Exception as e:  # the handler's own failure, or the caller went away
+                if isinstance(e, asyncio.IncompleteReadError):
+                    why = f"the stream ended {len(e.partial)} bytes into a {e.expected}-byte read"
+                    logger.debug(f"Binary stream {name!r} from {info.peer_id}: {why}")
+                else:
+                    why = f"{type(e).__name__}: {e}"
+                    logger.warning(
+                        f"Binary stream handler {name!r} failed for {info.peer_id}: {why}"
+                    )
+                stream.reset(f"handler {name!r} failed: {why}")
+                return
             await stream.close_write()  # the caller's side stays open until it closes it
 
         self._peer.add_protocol_handler(name, serve)
