@@ -265,8 +265,8 @@ def measure(data: dict) -> dict:
                 member_errors.append((path, instead))
         member_rows.append((path, entry["kind"], status))
 
-    # hivemind.p2p (P2P and its members) is another branch's work (swarmgrad/p2p/); the
-    # fractions without it say how the rest stands while that package is absent
+    # the fractions leaving hivemind.p2p out (swarmgrad/p2p/ came from another branch),
+    # kept so that runs on trees without that package compare with earlier ones
     def is_p2p(path: str) -> bool:
         return path == "hivemind.p2p" or path.startswith("hivemind.p2p.")
 
