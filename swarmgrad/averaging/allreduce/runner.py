@@ -79,11 +79,11 @@ from swarmgrad.averaging.allreduce.streams import (
     within,
 )
 from swarmgrad.averaging.allreduce.types import (
-    MAX_WEIGHT,
     AllReduceResult,
     AveragingMode,
     BadReduction,
     GroupMismatch,
+    check_weight,
 )
 from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.averaging.robust.reducer import RobustPartReducer
@@ -237,14 +237,7 @@ class AllReduceRunner(OwnerRole):
             if weight not in (None, 0, 0.0):
                 raise ValidationError("an auxiliary member contributes nothing: weight must be 0")
             return 0.0
-        weight = 1.0 if weight is None else weight
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            raise ValidationError(f"weight must be a number, got {weight!r}")
-        if not math.isfinite(weight) or not 0 <= weight <= MAX_WEIGHT:
-            raise ValidationError(
-                f"weight must be finite and >= 0, at most {MAX_WEIGHT:g}; got {weight!r}"
-            )
-        return float(weight)
+        return check_weight(1.0 if weight is None else weight)
 
     def _spans(
         self, total: int, span_sizes: Sequence[int] | None, fractions: Sequence[float] | None
