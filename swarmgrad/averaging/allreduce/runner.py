@@ -86,7 +86,7 @@ from swarmgrad.averaging.allreduce.types import (
     check_weight,
 )
 from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.robust.reducer import RobustPartReducer
+from swarmgrad.averaging.robust.reducer import PartReducer, RobustPartReducer
 from swarmgrad.averaging.robust.rules import AggregationRule
 from swarmgrad.compression import CompressionBase, CompressionInfo, CompressionType
 from swarmgrad.compression.base import all_finite, tensor_bytes
@@ -212,7 +212,7 @@ class AllReduceRunner(OwnerRole):
         self.sender_indices = [i for i, m in enumerate(self.modes) if m is not AveragingMode.AUX]
         self._slot_of = {member: slot for slot, member in enumerate(self.sender_indices)}
         self._router = AllReduceRouter.for_peer(peer)
-        self._reducer: TensorPartReducer | None = None
+        self._reducer: PartReducer | None = None
         self._replies: dict[int, tuple[bytes, memoryview] | memoryview] = {}
         self._admitted: set[int] = set()
         self._excluded: dict[PeerID, str] = {}
