@@ -612,16 +612,24 @@ class DHTLocalStorage:
                 continue
             subkeys = slot.subkeys
             if subkeys is None:
-                self._count(slot.source, -1)
-                self._num_records -= 1
-                self._delete(key_id, slot)
+                self._drop_plain(key_id, slot)
                 continue
             self._release(subkeys._drop_through(now))
-            if subkeys._data:
-                self._push(key_id, slot, subkeys._earliest())
-                self._update_visibility(slot)
-            else:
-                self._delete(key_id, slot)
+            self._requeue_or_delete(key_id, slot, subkeys)
+
+    def _drop_plain(self, key_id: DHTID, slot: _Slot) -> None:
+        """Remove a slot that holds a plain record, and account for the record."""
+        self._count(slot.source, -1)
+        self._num_records -= 1
+        self._delete(key_id, slot)
+
+    def _requeue_or_delete(self, key_id: DHTID, slot: _Slot, subkeys: DictionaryDHTValue) -> None:
+        """After subkeys left a dictionary: queue it by its earliest left, or remove it if empty."""
+        if subkeys._data:
+            self._push(key_id, slot, subkeys._earliest())
+            self._update_visibility(slot)
+        else:
+            self._delete(key_id, slot)
 
     # --- room ---
 
@@ -641,17 +649,11 @@ class DHTLocalStorage:
             _, key_id, slot = soonest
             subkeys = slot.subkeys
             if subkeys is None:
-                self._count(slot.source, -1)
-                self._num_records -= 1
-                self._delete(key_id, slot)
+                self._drop_plain(key_id, slot)
                 continue
             _, subrecord = subkeys._pop_earliest()
             self._release((subrecord,))
-            if subkeys._data:
-                self._push(key_id, slot, subkeys._earliest())
-                self._update_visibility(slot)
-            else:
-                self._delete(key_id, slot)
+            self._requeue_or_delete(key_id, slot, subkeys)
 
     def _peek_soonest(self) -> tuple[float, DHTID, _Slot] | None:
         """The live heap entry of the record that expires first, made exact."""
