@@ -234,37 +234,41 @@ class BackwardRequest(_TensorRequest):
 
 
 @dataclass(frozen=True)
-class ForwardAnswer:
-    outputs: tuple[torch.Tensor, ...]
+class _TensorAnswer:
+    """A stage's answer: one tuple of tensors (the field named ``_TENSOR_FIELD``), sent in
+    the codec the request asked for."""
+
+    _WHAT: ClassVar[str]
+    _TENSOR_FIELD: ClassVar[str]
 
     def encode(self, compression: CompressionType) -> dict[str, Any]:
+        tensors = getattr(self, self._TENSOR_FIELD)
         return {
             "v": PROTOCOL_VERSION,
-            "outputs": tensors_to_message(self.outputs, codecs_for(self.outputs, compression)),
+            self._TENSOR_FIELD: tensors_to_message(tensors, codecs_for(tensors, compression)),
         }
 
     @classmethod
-    def decode(cls, message: Any) -> ForwardAnswer:
-        field = _field(message, "outputs", f"{FORWARD} answer", ProtocolViolation)
-        return cls(_tensors(field, "outputs", ProtocolViolation))
+    def decode(cls, message: Any) -> Self:
+        name = cls._TENSOR_FIELD
+        field = _field(message, name, f"{cls._WHAT} answer", ProtocolViolation)
+        return cls(_tensors(field, name, ProtocolViolation))  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True)
-class BackwardAnswer:
+class ForwardAnswer(_TensorAnswer):
+    outputs: tuple[torch.Tensor, ...]
+
+    _WHAT: ClassVar[str] = FORWARD
+    _TENSOR_FIELD: ClassVar[str] = "outputs"
+
+
+@dataclass(frozen=True)
+class BackwardAnswer(_TensorAnswer):
     grad_inputs: tuple[torch.Tensor, ...]
 
-    def encode(self, compression: CompressionType) -> dict[str, Any]:
-        return {
-            "v": PROTOCOL_VERSION,
-            "grad_inputs": tensors_to_message(
-                self.grad_inputs, codecs_for(self.grad_inputs, compression)
-            ),
-        }
-
-    @classmethod
-    def decode(cls, message: Any) -> BackwardAnswer:
-        field = _field(message, "grad_inputs", f"{BACKWARD} answer", ProtocolViolation)
-        return cls(_tensors(field, "grad_inputs", ProtocolViolation))
+    _WHAT: ClassVar[str] = BACKWARD
+    _TENSOR_FIELD: ClassVar[str] = "grad_inputs"
 
 
 @dataclass(frozen=True)
