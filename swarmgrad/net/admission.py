@@ -200,8 +200,9 @@ def _peer_field(body: dict, name: str, what: str) -> PeerID:
 
 
 class _SignedRecord:
-    """The envelope of a signed record: ``[tag, version, body, signature]`` on the wire,
-    signed over a signing tag and the body (frozen dataclasses ending with these two)."""
+    """The envelope every signed record shares: ``[tag, version, body, signature]`` on
+    the wire, the signature over a signing tag and the body. Subclasses are frozen
+    dataclasses ending with the fields ``body`` and ``signature``."""
 
     _TAG: ClassVar[str]
     _SIGNING_TAG: ClassVar[bytes]
