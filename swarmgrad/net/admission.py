@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
 
@@ -199,26 +199,8 @@ def _peer_field(body: dict, name: str, what: str) -> PeerID:
 # ------------------------------------------------------------------------ signed records
 
 
-class _SignedRecord:
-    """The envelope every signed record shares: ``[tag, version, body, signature]`` on
-    the wire, the signature over a signing tag and the body. Subclasses are frozen
-    dataclasses ending with the fields ``body`` and ``signature``."""
-
-    _TAG: ClassVar[str]
-    _SIGNING_TAG: ClassVar[bytes]
-    body: bytes
-    signature: bytes
-
-    @property
-    def signed_message(self) -> bytes:
-        return self._SIGNING_TAG + self.body
-
-    def encode(self) -> bytes:
-        return msgpack.packb([self._TAG, _VERSION, self.body, self.signature])
-
-
 @dataclass(frozen=True)
-class AccessToken(_SignedRecord):
+class AccessToken:
     """Admission of one PeerID, in one role, from ``issued_at`` until ``expires_at`` (UNIX
     seconds), signed by ``issuer``. :meth:`decode` only parses; :class:`Admission` checks
     the signature, the issuer, the times and revocations."""
@@ -232,8 +214,12 @@ class AccessToken(_SignedRecord):
     body: bytes = field(repr=False)
     signature: bytes = field(repr=False)
 
-    _TAG: ClassVar[str] = _TOKEN_TAG
-    _SIGNING_TAG: ClassVar[bytes] = _TOKEN_SIGNING_TAG
+    @property
+    def signed_message(self) -> bytes:
+        return _TOKEN_SIGNING_TAG + self.body
+
+    def encode(self) -> bytes:
+        return msgpack.packb([_TOKEN_TAG, _VERSION, self.body, self.signature])
 
     def to_text(self) -> str:
         return TOKEN_TEXT_PREFIX + base64.urlsafe_b64encode(self.encode()).decode().rstrip("=")
@@ -306,7 +292,7 @@ class AccessToken(_SignedRecord):
 
 
 @dataclass(frozen=True)
-class RevocationList(_SignedRecord):
+class RevocationList:
     """PeerIDs and token ids the authority no longer admits. Each list replaces the
     previous one (the higher ``serial`` wins), so it holds every revocation still in
     force."""
@@ -320,8 +306,12 @@ class RevocationList(_SignedRecord):
     body: bytes = field(repr=False)
     signature: bytes = field(repr=False)
 
-    _TAG: ClassVar[str] = _REVOCATION_TAG
-    _SIGNING_TAG: ClassVar[bytes] = _REVOCATION_SIGNING_TAG
+    @property
+    def signed_message(self) -> bytes:
+        return _REVOCATION_SIGNING_TAG + self.body
+
+    def encode(self) -> bytes:
+        return msgpack.packb([_REVOCATION_TAG, _VERSION, self.body, self.signature])
 
     def revokes(self, token: AccessToken) -> bool:
         return token.peer_id in self.peers or token.token_id in self.token_ids
