@@ -197,7 +197,11 @@ def check_member(entry: dict, classes: dict[str, Any]) -> str | None:
     if isinstance(cls, Exception):
         return f"class missing ({type(cls).__name__})"
     name = entry["name"]
-    if hasattr(cls, name) or name in _self_attributes(cls):
+    try:  # static lookup: an attribute that raises when read (naming its replacement) is present
+        value = inspect.getattr_static(cls, name)
+    except AttributeError:
+        value = _MISSING
+    if value is not _MISSING or name in _self_attributes(cls):
         if entry["kind"] == "method" and not callable(getattr(cls, name, None)):
             return "a method in hivemind, not callable here"
         return None
@@ -261,8 +265,8 @@ def measure(data: dict) -> dict:
                 member_errors.append((path, instead))
         member_rows.append((path, entry["kind"], status))
 
-    # hivemind.p2p (P2P and its members) is another branch's work (swarmgrad/p2p/); the
-    # fractions without it say how the rest stands while that package is absent
+    # the fractions leaving hivemind.p2p out (swarmgrad/p2p/ came from another branch),
+    # kept so that runs on trees without that package compare with earlier ones
     def is_p2p(path: str) -> bool:
         return path == "hivemind.p2p" or path.startswith("hivemind.p2p.")
 

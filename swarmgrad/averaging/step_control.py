@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from swarmgrad.averaging.allreduce.pacing import SendPacer
-from swarmgrad.averaging.allreduce.types import MAX_WEIGHT
+from swarmgrad.averaging.allreduce.types import check_weight
 from swarmgrad.averaging.matchmaking.group_bits import check_round_tag
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import ValidationError
@@ -46,16 +46,6 @@ class AveragingStage(enum.Enum):
     AWAITING_TRIGGER = 2  # a group is formed; the all-reduce waits for allow_allreduce()
     RUNNING_ALLREDUCE = 3
     FINISHED = 4
-
-
-def check_weight(weight: Any) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, int | float):
-        raise ValidationError(f"weight must be a number, got {weight!r}")
-    if not math.isfinite(weight) or not 0 <= weight <= MAX_WEIGHT:
-        raise ValidationError(
-            f"weight must be finite and >= 0, at most {MAX_WEIGHT:g}; got {weight!r}"
-        )
-    return float(weight)
 
 
 def _check_expected_group_size(value: Any) -> int | None:

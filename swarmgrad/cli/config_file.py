@@ -1,17 +1,55 @@
-"""``--config FILE`` of the commands that take many options (``server``, ``train``): a
-JSON, TOML or YAML table whose keys are the options, spelled either way
-(``expert-cls`` or ``expert_cls``). The table is turned back into command-line tokens so
-that argparse converts and checks its values exactly as it does the command line's."""
+"""The options of the commands that take many (``server``, ``train``): declared through
+one :class:`OptionAdder`, and ``--config FILE``, a JSON, TOML or YAML table whose keys are
+the options, spelled either way (``expert-cls`` or ``expert_cls``). The table is turned
+back into command-line tokens so that argparse converts and checks its values exactly as
+it does the command line's."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import tomllib
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-__all__ = ["config_tokens", "load_config"]
+__all__ = ["OptionAdder", "add_network_options", "config_tokens", "load_config"]
+
+
+class OptionAdder:
+    """``option("num-experts", type=int, help=...)`` adds ``--num-experts`` and hivemind's
+    spelling ``--num_experts`` (dest ``num_experts``) to the group opened last with
+    :meth:`group`, and appends the default from ``defaults`` to the help."""
+
+    def __init__(self, parser: argparse.ArgumentParser, defaults: dict[str, Any]):
+        self.parser = parser
+        self.defaults = defaults
+        self.current: Any = parser  # an ArgumentParser or an argument group
+
+    def group(self, title: str) -> None:
+        """Options added from now on are listed under ``title`` in ``--help``."""
+        self.current = self.parser.add_argument_group(title)
+
+    def __call__(self, name: str, **kwargs: Any) -> None:
+        flags = [f"--{name}"]
+        if "-" in name:
+            flags.append(f"--{name.replace('-', '_')}")
+        dest = name.replace("-", "_")
+        if "help" in kwargs and self.defaults.get(dest) not in (None, [], False):
+            kwargs["help"] += f" (default: {self.defaults[dest]})"
+        self.current.add_argument(*flags, dest=dest, **kwargs)
+
+
+def add_network_options(option: OptionAdder, who: str) -> None:
+    """The ``network and DHT`` group: where to listen and whom to join, the peer's identity
+    and admission. ``who`` ("server", "peer") says whose token file ``--access-token`` is."""
+    option.group("network and DHT")
+    option("initial-peers", nargs="*", help="multiaddrs of peers already in the swarm")
+    option("host-maddrs", nargs="+", help="addresses to listen on (tcp/0 picks a port)")
+    option("announce-maddrs", nargs="*", help="public addresses to advertise (behind NAT)")
+    option("identity-path", help="ed25519 key file (created if missing): a stable PeerID")
+    option("authority-key", help="admit only peers with tokens from this authority (12D3KooW...)")
+    option("access-token", help=f"this {who}'s token file (swarmgrad authority issue)")
 
 
 def load_config(path: str) -> dict[str, Any]:

@@ -25,14 +25,13 @@ non-callable name) is a :class:`ModelModuleError` that names the file and the na
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.user_module import import_user_file
 
 __all__ = ["ModelModule", "ModelModuleError", "load_model_module", "EXPECTED_NAMES"]
 
@@ -62,21 +61,8 @@ class ModelModule:
 
 def load_model_module(path: str | Path, options: dict[str, str] | None = None) -> ModelModule:
     """Import the file at ``path``, check its names, and pass it ``options``."""
-    file = Path(path)
     where = f"model module {str(path)!r}"
-    if not file.is_file():
-        raise ModelModuleError(f"{where} does not exist or is not a file")
-    name = f"swarmgrad_model_module_{abs(hash(str(file.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise ModelModuleError(f"{where} cannot be imported as Python (is it a .py file?)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look modules up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:  # SystemExit from a script-style module too
-        sys.modules.pop(name, None)
-        raise ModelModuleError(f"{where} failed to import: {type(e).__name__}: {e}") from e
+    module = import_user_file(path, "model module", "swarmgrad_model_module", ModelModuleError)
 
     def function(attr: str, required: bool) -> Callable | None:
         value = getattr(module, attr, None)

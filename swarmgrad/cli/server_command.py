@@ -33,7 +33,7 @@ import threading
 from functools import partial
 from typing import Any
 
-from swarmgrad.cli.config_file import config_tokens, load_config
+from swarmgrad.cli.config_file import OptionAdder, add_network_options, config_tokens, load_config
 from swarmgrad.cli.dht_command import admission_kwargs
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
@@ -103,50 +103,35 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         argument_default=argparse.SUPPRESS,
     )
 
-    group: Any = parser  # option() adds to the group assigned last
-
-    def option(name: str, **kwargs: Any) -> None:
-        flags = [f"--{name}"]
-        if "-" in name:
-            flags.append(f"--{name.replace('-', '_')}")
-        dest = name.replace("-", "_")
-        if "help" in kwargs and DEFAULTS.get(dest) not in (None, [], False):
-            kwargs["help"] += f" (default: {DEFAULTS[dest]})"
-        group.add_argument(*flags, dest=dest, **kwargs)
+    option = OptionAdder(parser, DEFAULTS)
 
     option("config", help="JSON, TOML or YAML file with any of these options")
-    group = parser.add_argument_group("experts")
+    option.group("experts")
     option("num-experts", type=int, help="how many experts to host (with --expert-pattern)")
     option("expert-uids", nargs="+", help="exact uids to host, e.g. expert.0 expert.1")
     option("expert-pattern", help='uid pattern to sample from, e.g. "expert.[0:32].[0:32]"')
     option("expert-cls", help="expert class: ffn, transformer, det_dropout, nop or custom")
     option("hidden-dim", type=int, help="hidden size of each expert")
     option("custom-module-path", help="Python file whose register_expert_class calls add classes")
-    group = parser.add_argument_group("training")
+    option.group("training")
     option("optimizer", choices=["adam", "sgd", "none"], help="each expert's optimizer")
     option("scheduler", choices=["linear", "none"], help="learning-rate schedule")
     option("num-warmup-steps", type=int, help="warmup steps of the linear scheduler")
     option("num-training-steps", type=int, help="steps until the linear scheduler reaches 0")
     option("clip-grad-norm", type=float, help="clip each expert's gradient norm to this")
-    group = parser.add_argument_group("batching and compute")
+    option.group("batching and compute")
     option("min-batch-size", type=int, help="samples a batch waits for (up to --batch-timeout)")
     option("max-batch-size", type=int, help="largest batch (and request) in samples")
     option("batch-timeout", type=float, help="seconds a batch waits to reach --min-batch-size")
     option("device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     option("compression", type=_compression, help="codec of outputs and gradients sent back")
     option("activation-cache-mb", type=float, help="memory for forward graphs awaiting backward")
-    group = parser.add_argument_group("checkpoints")
+    option.group("checkpoints")
     option("checkpoint-dir", help="restore experts from and save them to this directory")
     option("checkpoint-interval", type=float, help="seconds between checkpoints")
     option("keep-checkpoints", type=int, help="newest checkpoints kept per expert")
-    group = parser.add_argument_group("network and DHT")
-    option("initial-peers", nargs="*", help="multiaddrs of peers already in the swarm")
-    option("host-maddrs", nargs="+", help="addresses to listen on (tcp/0 picks a port)")
-    option("announce-maddrs", nargs="*", help="public addresses to advertise (behind NAT)")
-    option("identity-path", help="ed25519 key file (created if missing): a stable PeerID")
-    option("authority-key", help="admit only peers with tokens from this authority (12D3KooW...)")
-    option("access-token", help="this server's token file (swarmgrad authority issue)")
-    group.add_argument(
+    add_network_options(option, "server")
+    option.current.add_argument(
         "--no-relay",
         "--no_relay",
         dest="use_relay",
@@ -156,7 +141,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     option("use-auto-relay", action="store_true", help="use relays among the initial peers")
     option("update-period", type=float, help="seconds between re-declarations in the DHT")
     option("expiration", type=float, help="lifetime of a declaration (default 2 x period, >= 60)")
-    group = parser.add_argument_group("misc")
+    option.group("misc")
     option("stats-report-interval", type=float, help="seconds between status log lines")
     option("metrics-run-id", help="run under which swarmgrad monitor lists this server")
     option(

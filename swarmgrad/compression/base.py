@@ -14,6 +14,7 @@ import torch
 from swarmgrad.compression.deflate import deflate_payload, inflate_payload
 from swarmgrad.compression.serialized import (
     LOSSY_DTYPES,
+    MAX_BLOCK_SIZE,
     Buffer,
     CompressionType,
     SerializedTensor,
@@ -302,3 +303,28 @@ class LossyCompression(CompressionBase):
     @abstractmethod
     def payload_nbytes(self, descriptor: TensorDescriptor) -> int:
         """Payload size for a tensor like ``descriptor``."""
+
+
+class BlockwiseScaledCompression(LossyCompression):
+    """Shared logic of the blockwise codecs (8-bit and 4-bit): each block of
+    ``block_size`` values is scaled by its absolute maximum; a payload holds the blocks'
+    float32 scales, then the codes."""
+
+    def __init__(self, block_size: int, *, deflate: bool = False):
+        self._set_deflate(deflate)
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise ValidationError(f"block_size must be an int, got {block_size!r}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValidationError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+        self.block_size = block_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._repr_options(f'block_size={self.block_size}')})"
+
+    @staticmethod
+    def split_payload(
+        payload: torch.Tensor, numel: int, block: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scales, codes)`` of a payload for ``numel`` values in blocks of ``block``."""
+        blocks = -(-numel // block)
+        return payload[: blocks * 4].view(torch.float32), payload[blocks * 4 :]

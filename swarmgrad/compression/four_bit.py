@@ -23,15 +23,18 @@ from typing import Any
 import torch
 
 from swarmgrad.compression._chunks import CHUNK_NUMEL, block_groups, float32_inputs, float32_outputs
-from swarmgrad.compression.base import LossyCompression, TensorDescriptor, byte_tensor, tensor_bytes
+from swarmgrad.compression.base import (
+    BlockwiseScaledCompression,
+    TensorDescriptor,
+    byte_tensor,
+    tensor_bytes,
+)
 from swarmgrad.compression.serialized import (
-    MAX_BLOCK_SIZE,
     Buffer,
     CompressionType,
     SerializedTensor,
     blockwise_4bit_nbytes,
 )
-from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["FOUR_BIT_CODE", "Blockwise4BitQuantization"]
 
@@ -57,7 +60,7 @@ def _chunk_for(block: int) -> int:
     return max(1, CHUNK_NUMEL // unit) * unit
 
 
-class Blockwise4BitQuantization(LossyCompression):
+class Blockwise4BitQuantization(BlockwiseScaledCompression):
     """Blocks of ``block_size`` values scaled by their absolute maximum, 4 bits per value
     plus 4 bytes per block (0.5625 bytes per value with the default 64). For tensors whose
     losses are fed back (DiLoCo's outer gradients): see the module docstring."""
@@ -65,23 +68,14 @@ class Blockwise4BitQuantization(LossyCompression):
     compression_type = CompressionType.BLOCKWISE_4BIT
 
     def __init__(self, block_size: int = 64, *, deflate: bool = False):
-        self._set_deflate(deflate)
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise ValidationError(f"block_size must be an int, got {block_size!r}")
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValidationError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
-        self.block_size = block_size
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._repr_options(f'block_size={self.block_size}')})"
+        super().__init__(block_size, deflate=deflate)
 
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Buffer]:
         flat = tensor.view(-1)
         numel, block = flat.numel(), self.block_size
         blocks = -(-numel // block)
         payload = torch.zeros(blocks * 4 + (numel + 1) // 2, dtype=torch.uint8)
-        scales = payload[: blocks * 4].view(torch.float32)
-        packed = payload[blocks * 4 :]
+        scales, packed = self.split_payload(payload, numel, block)
         chunk = _chunk_for(block)
         work = torch.empty(min(chunk, numel), dtype=torch.float32)
         codes = torch.zeros(min(chunk, numel) + 1, dtype=torch.uint8)
@@ -111,10 +105,7 @@ class Blockwise4BitQuantization(LossyCompression):
 
     def decode(self, serialized: SerializedTensor) -> torch.Tensor:
         numel, block = serialized.numel, serialized.params["block"]
-        blocks = -(-numel // block)
-        payload = byte_tensor(serialized.buffer, align=4)
-        scales = payload[: blocks * 4].view(torch.float32)
-        packed = payload[blocks * 4 :]
+        scales, packed = self.split_payload(byte_tensor(serialized.buffer, align=4), numel, block)
         out = torch.empty(numel, dtype=serialized.torch_dtype)
         chunk = _chunk_for(block)
         index = torch.empty(min(chunk, numel) + 1, dtype=torch.int32)

@@ -26,6 +26,7 @@ from swarmgrad.compression._chunks import (
     spans,
 )
 from swarmgrad.compression.base import (
+    BlockwiseScaledCompression,
     LossyCompression,
     TensorDescriptor,
     byte_tensor,
@@ -37,7 +38,6 @@ from swarmgrad.compression.serialized import (
     CompressionType,
     SerializedTensor,
 )
-from swarmgrad.utils.errors import ValidationError
 
 __all__ = ["BlockwiseQuantization", "Quantile8BitQuantization", "Uniform8BitQuantization"]
 
@@ -365,7 +365,7 @@ def _blockwise_code() -> torch.Tensor:
 BLOCKWISE_CODE = _blockwise_code()
 
 
-class BlockwiseQuantization(LossyCompression):
+class BlockwiseQuantization(BlockwiseScaledCompression):
     """Blocks of ``block_size`` elements, each scaled by its absolute maximum and quantized
     with a fixed nonlinear 8-bit code; 1 byte per element + 4 bytes per block.
 
@@ -381,21 +381,14 @@ class BlockwiseQuantization(LossyCompression):
     compression_type = CompressionType.BLOCKWISE_8BIT
 
     def __init__(self, block_size: int = 4096, *, deflate: bool = False):
-        self._set_deflate(deflate)
-        if not 1 <= block_size <= 1 << 24:
-            raise ValidationError(f"block_size must be in [1, 2**24], got {block_size}")
-        self.block_size = block_size
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._repr_options(f'block_size={self.block_size}')})"
+        super().__init__(block_size, deflate=deflate)
 
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Buffer]:
         flat = tensor.view(-1)
         numel, block = flat.numel(), self.block_size
         blocks = -(-numel // block)
         payload = torch.empty(blocks * 4 + numel, dtype=torch.uint8)
-        scales = payload[: blocks * 4].view(torch.float32)
-        codes = payload[blocks * 4 :]
+        scales, codes = self.split_payload(payload, numel, block)
         chunk = max(1, CHUNK_NUMEL // block) * block
         scratch = torch.empty(min(chunk, numel), dtype=torch.float32)
         for start, stop, values in float32_inputs(flat, chunk):
@@ -410,10 +403,7 @@ class BlockwiseQuantization(LossyCompression):
 
     def decode(self, serialized: SerializedTensor) -> torch.Tensor:
         numel, block = serialized.numel, serialized.params["block"]
-        blocks = -(-numel // block)
-        payload = byte_tensor(serialized.buffer, align=4)
-        scales = payload[: blocks * 4].view(torch.float32)
-        codes = payload[blocks * 4 :]
+        scales, codes = self.split_payload(byte_tensor(serialized.buffer, align=4), numel, block)
         out = torch.empty(numel, dtype=serialized.torch_dtype)
         chunk = max(1, CHUNK_NUMEL // block) * block
         index = torch.empty(min(chunk, numel), dtype=torch.int32)

@@ -364,25 +364,46 @@ class DHTLocalStorage:
             self._remove_outdated(now)
         record = ValueWithExpiration(value, float(expiration_time))
         slot = self._slots.get(key_id)
+        if slot is None:
+            return self._store_new(key_id, subkey, record, source)
         if subkey is None:
             return self._store_plain(key_id, slot, record, source)
         return self._store_subkey(key_id, slot, subkey, record, source)
 
+    def _store_new(
+        self,
+        key_id: DHTID,
+        subkey: bytes | None,
+        record: ValueWithExpiration,
+        source: PeerID | None,
+    ) -> bool:
+        """A key not stored yet: a slot with the plain record, or with a one-subkey dictionary."""
+        expiration_time = record.expiration_time
+        self._check_source(source, 0, key_id)
+        if not self._has_room_for(expiration_time):
+            return False
+        slot = self._slots[key_id] = _Slot()
+        if subkey is None:
+            slot.record, slot.source = record, source
+        else:
+            slot.subkeys = DictionaryDHTValue(self._view_time)
+            slot.subkeys._put(subkey, record, source)
+        self._added(source)
+        self._push(key_id, slot, expiration_time)
+        self._update_visibility(slot)
+        self._shrink()
+        return True
+
+    def _replace_source(self, key_id: DHTID, old: PeerID | None, new: PeerID | None) -> None:
+        """Account for a record of ``old`` that one of ``new`` replaces (raise if over limit)."""
+        self._check_source(new, int(old == new), key_id)
+        self._count(old, -1)
+        self._count(new, 1)
+
     def _store_plain(
-        self, key_id: DHTID, slot: _Slot | None, record: ValueWithExpiration, source: PeerID | None
+        self, key_id: DHTID, slot: _Slot, record: ValueWithExpiration, source: PeerID | None
     ) -> bool:
         expiration_time = record.expiration_time
-        if slot is None:
-            self._check_source(source, 0, key_id)
-            if not self._has_room_for(expiration_time):
-                return False
-            slot = self._slots[key_id] = _Slot()
-            slot.record, slot.source = record, source
-            self._added(source)
-            self._push(key_id, slot, expiration_time)
-            self._update_visibility(slot)
-            self._shrink()
-            return True
         subkeys = slot.subkeys
         if subkeys is None:
             old = slot.record
@@ -390,9 +411,7 @@ class DHTLocalStorage:
             verdict = _against_existing(old, record.value, expiration_time)
             if verdict is not None:
                 return verdict
-            self._check_source(source, int(slot.source == source), key_id)
-            self._count(slot.source, -1)
-            self._count(source, 1)
+            self._replace_source(key_id, slot.source, source)
             slot.record, slot.source = record, source
             self._push(key_id, slot, expiration_time)
             self._update_visibility(slot)
@@ -418,33 +437,19 @@ class DHTLocalStorage:
     def _store_subkey(
         self,
         key_id: DHTID,
-        slot: _Slot | None,
+        slot: _Slot,
         subkey: bytes,
         record: ValueWithExpiration,
         source: PeerID | None,
     ) -> bool:
         expiration_time = record.expiration_time
-        if slot is None:
-            self._check_source(source, 0, key_id)
-            if not self._has_room_for(expiration_time):
-                return False
-            slot = self._slots[key_id] = _Slot()
-            slot.subkeys = DictionaryDHTValue(self._view_time)
-            slot.subkeys._put(subkey, record, source)
-            self._added(source)
-            self._push(key_id, slot, expiration_time)
-            self._update_visibility(slot)
-            self._shrink()
-            return True
         subkeys = slot.subkeys
         if subkeys is None:  # a plain record: replaced by a dictionary if older
             old = slot.record
             assert old is not None
             if expiration_time <= old.expiration_time:  # the plain record wins ties
                 return False
-            self._check_source(source, int(slot.source == source), key_id)
-            self._count(slot.source, -1)
-            self._count(source, 1)
+            self._replace_source(key_id, slot.source, source)
             slot.subkeys = DictionaryDHTValue(self._view_time)
             slot.subkeys._put(subkey, record, source)
             slot.floor = old.expiration_time
@@ -460,10 +465,8 @@ class DHTLocalStorage:
             verdict = _against_existing(previous, record.value, expiration_time)
             if verdict is not None:
                 return verdict
-            self._check_source(source, int(old_subrecord[1] == source), key_id)
+            self._replace_source(key_id, old_subrecord[1], source)
             subkeys._put(subkey, record, source)
-            self._count(old_subrecord[1], -1)
-            self._count(source, 1)
             self._update_visibility(slot)  # the heap entry stays a lower bound
             return True
         self._check_source(source, 0, key_id)
@@ -609,16 +612,24 @@ class DHTLocalStorage:
                 continue
             subkeys = slot.subkeys
             if subkeys is None:
-                self._count(slot.source, -1)
-                self._num_records -= 1
-                self._delete(key_id, slot)
+                self._drop_plain(key_id, slot)
                 continue
             self._release(subkeys._drop_through(now))
-            if subkeys._data:
-                self._push(key_id, slot, subkeys._earliest())
-                self._update_visibility(slot)
-            else:
-                self._delete(key_id, slot)
+            self._requeue_or_delete(key_id, slot, subkeys)
+
+    def _drop_plain(self, key_id: DHTID, slot: _Slot) -> None:
+        """Remove a slot that holds a plain record, and account for the record."""
+        self._count(slot.source, -1)
+        self._num_records -= 1
+        self._delete(key_id, slot)
+
+    def _requeue_or_delete(self, key_id: DHTID, slot: _Slot, subkeys: DictionaryDHTValue) -> None:
+        """After subkeys left a dictionary: queue it by its earliest left, or remove it if empty."""
+        if subkeys._data:
+            self._push(key_id, slot, subkeys._earliest())
+            self._update_visibility(slot)
+        else:
+            self._delete(key_id, slot)
 
     # --- room ---
 
@@ -638,17 +649,11 @@ class DHTLocalStorage:
             _, key_id, slot = soonest
             subkeys = slot.subkeys
             if subkeys is None:
-                self._count(slot.source, -1)
-                self._num_records -= 1
-                self._delete(key_id, slot)
+                self._drop_plain(key_id, slot)
                 continue
             _, subrecord = subkeys._pop_earliest()
             self._release((subrecord,))
-            if subkeys._data:
-                self._push(key_id, slot, subkeys._earliest())
-                self._update_visibility(slot)
-            else:
-                self._delete(key_id, slot)
+            self._requeue_or_delete(key_id, slot, subkeys)
 
     def _peek_soonest(self) -> tuple[float, DHTID, _Slot] | None:
         """The live heap entry of the record that expires first, made exact."""

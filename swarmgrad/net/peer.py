@@ -17,6 +17,7 @@ the simulated network; the protocol code above never knows which.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -466,19 +467,19 @@ class Peer:
         except ProtocolViolation as e:
             stream.reset(str(e))
             return
+        serve = functools.partial(
+            rpc.serve_call,
+            stream,
+            self._handlers.get(name),
+            handler_name=name,
+            timeout=timeout,
+            max_message_size=self.max_message_size,
+        )
         remote = stream.remote_peer_id
         if self.admission is not None:
             denied = self._access_denied(stream, name)
             if denied is not None:
-                await rpc.serve_call(
-                    stream,
-                    self._handlers.get(name),
-                    handler_name=name,
-                    timeout=timeout,
-                    max_message_size=self.max_message_size,
-                    refuse_reason=denied,
-                    refuse_type="AccessDenied",
-                )
+                await serve(refuse_reason=denied, refuse_type="AccessDenied")
                 return
         inflight = self._inflight
         in_flight = inflight.get(remote, 0)
@@ -490,14 +491,7 @@ class Peer:
             )
         inflight[remote] = in_flight + 1
         try:
-            await rpc.serve_call(
-                stream,
-                self._handlers.get(name),
-                handler_name=name,
-                timeout=timeout,
-                max_message_size=self.max_message_size,
-                refuse_reason=refuse,
-            )
+            await serve(refuse_reason=refuse)
         finally:
             left = inflight[remote] - 1
             if left > 0:

@@ -13,7 +13,10 @@ the methods keep hivemind's names, arguments and async shapes:
   of swarmgrad. A request that does not parse is answered with an error (the caller gets
   :class:`P2PHandlerError`); the handler never sees it and the peer keeps serving.
 * ``add_binary_stream_handler`` / ``call_binary_stream_handler``: a raw bidirectional
-  stream with asyncio-style reader and writer objects.
+  stream with asyncio-style reader and writer objects, on which ``send_raw_data`` /
+  ``receive_raw_data`` and ``send_protobuf`` / ``receive_protobuf`` frame messages as
+  hivemind does (an 8-byte big-endian length; a marker byte before a message or an
+  ``RPCError``; ``END_OF_STREAM`` ends a direction), byte for byte.
 
 The wire is swarmgrad's (one RPC per multiplexed stream, see :mod:`swarmgrad.net.rpc`),
 not libp2p's: a hivemind peer and a swarmgrad peer cannot call each other, programs can.
@@ -42,7 +45,9 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+import msgpack
 
 from swarmgrad.net.identity import Identity, PeerID
 from swarmgrad.net.libp2p_options import warn_libp2p_only_options
@@ -50,14 +55,18 @@ from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.peer import Peer
 from swarmgrad.net.rpc import DEFAULT_MAX_MESSAGE_SIZE, RPCContext
 from swarmgrad.p2p.datastructures import (
+    InvalidMessageMarker,
     P2PContext,
     P2PDaemonError,
     P2PHandlerError,
     PeerInfo,
+    RPCError,
     StreamInfo,
 )
 from swarmgrad.p2p.streams import StreamReader, StreamWriter
+from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import (
+    FrameTooLarge,
     IdentityFileError,
     RemoteError,
     SwarmgradError,
@@ -66,7 +75,7 @@ from swarmgrad.utils.errors import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["P2P", "P2PContext", "is_protobuf_type"]
+__all__ = ["P2P", "P2PContext", "UnsupportedAttributeError", "is_protobuf_type"]
 
 try:  # the optional ``hivemind`` extra
     from google.protobuf.message import DecodeError as _DecodeError
@@ -102,6 +111,40 @@ def _decode(body: Any, message_type: Any, what: str) -> Any:
         raise ValidationError(f"{what} does not parse as {message_type.__name__}: {e}") from None
 
 
+class UnsupportedAttributeError(NotImplementedError, AttributeError):
+    """Reading a hivemind attribute that swarmgrad does not have; the message says what to
+    use instead. Also an ``AttributeError``, so ``hasattr``, ``getattr(..., default)``,
+    ``inspect`` and mocks treat the attribute as absent rather than failing."""
+
+
+class _Unsupported:
+    """A class attribute of hivemind's ``P2P`` with no meaning here: reading it (on the
+    class or on a handle) raises :class:`UnsupportedAttributeError` saying what to use
+    instead. It carries ``__hivemind_unsupported__`` as
+    :func:`swarmgrad.utils.compat.unsupported` does, so ``benchmarks/hivemind_api.py``
+    lists it as "raises, says: ..."."""
+
+    def __init__(self, instead: str):
+        self.__hivemind_unsupported__ = instead
+        self._name = "P2P.?"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = f"{owner.__name__}.{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        raise UnsupportedAttributeError(
+            f"{self._name} is hivemind machinery that swarmgrad does not have: "
+            f"{self.__hivemind_unsupported__}"
+        )
+
+
+_NO_DAEMON_FLAGS = (
+    "it holds the p2pd daemon's command-line flags, and swarmgrad starts no daemon; "
+    "P2P.create(dht_mode=..., force_reachability=...) accepts the keywords with a warning, "
+    "and a peer that should not be dialed is P2P.create(no_listen=True) "
+    "(Peer.create(client_mode=True))"
+)
+
 _handles = itertools.count()
 # primary handles by daemon_listen_maddr (the peers started by P2P.create in this process)
 _primaries: dict[str, P2P] = {}
@@ -110,6 +153,23 @@ _primaries: dict[str, P2P] = {}
 class P2P:
     """A handle to this process's peer with hivemind's ``P2P`` interface (see the module
     docstring). Build one with :meth:`create`, :meth:`replicate` or :meth:`from_peer`."""
+
+    # hivemind's framing of messages on a binary stream (send_raw_data / send_protobuf):
+    # an 8-byte big-endian length before the bytes; a marker byte before a message
+    HEADER_LEN = 8
+    BYTEORDER = "big"
+    MESSAGE_MARKER = b"\x00"
+    ERROR_MARKER = b"\x01"
+    END_OF_STREAM = RPCError()  # the empty error: "no more messages" on a stream
+
+    DHT_MODE_MAPPING = _Unsupported(_NO_DAEMON_FLAGS)
+    FORCE_REACHABILITY_MAPPING = _Unsupported(_NO_DAEMON_FLAGS)
+
+    # hivemind's type aliases for handler signatures
+    TInputProtobuf = TypeVar("TInputProtobuf")
+    TOutputProtobuf = TypeVar("TOutputProtobuf")
+    TInputStream = AsyncIterator[TInputProtobuf]  # type: ignore[valid-type]
+    TOutputStream = AsyncIterator[TOutputProtobuf]  # type: ignore[valid-type]
 
     def __init__(self, peer: Peer, *, owns_peer: bool, daemon_listen_maddr: str):
         self._peer = peer
@@ -249,6 +309,74 @@ class P2P:
         """A handle to an existing swarmgrad peer (e.g. the one under a DHT); shutting the
         handle down leaves the peer running."""
         return cls(peer, owns_peer=False, daemon_listen_maddr=_new_listen_maddr(peer.peer_id))
+
+    @classmethod
+    async def is_identity_taken(
+        cls,
+        identity_path: str,
+        *,
+        initial_peers: Sequence[Multiaddr | str] | None = None,
+        tls: bool = True,
+        use_auto_relay: bool = False,
+        use_ipfs: bool = False,
+        use_relay: bool = True,
+        timeout: float = 15,
+    ) -> bool:
+        """Whether a peer with the identity in ``identity_path`` is online in the swarm
+        reached through ``initial_peers`` (hivemind asks this before starting a peer with a
+        shared identity file).
+
+        A temporary client peer (it cannot be dialed, so it is never mistaken for the
+        owner) joins the DHT through ``initial_peers`` and looks up that PeerID's node id;
+        the identity is taken when a peer holding it answers. No initial peers: nobody to
+        ask, ``False``. None of them answering: :class:`PeerUnreachable` naming them. The
+        identity file must be a swarmgrad one (:class:`P2PDaemonError` otherwise: a
+        hivemind RSA file converts with ``swarmgrad identity import``). ``tls``,
+        ``use_auto_relay`` and ``use_ipfs`` are libp2p options (warned as in
+        :meth:`create`); ``timeout`` bounds the whole probe."""
+        try:
+            peer_id = Identity.load(identity_path).peer_id
+        except (IdentityFileError, OSError) as e:
+            raise P2PDaemonError(
+                f"cannot read the identity file {identity_path!r}: {e} (a hivemind identity "
+                f"file converts once with `swarmgrad identity import`)"
+            ) from e
+        if not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValidationError(f"timeout must be a positive number, got {timeout!r}")
+        warn_libp2p_only_options(
+            dict(tls=tls, use_auto_relay=use_auto_relay, use_ipfs=use_ipfs),
+            where="P2P.is_identity_taken",
+        )
+        if not initial_peers:
+            return False
+        from swarmgrad.dht.node import DHTNode  # the DHT sits above this package's imports
+        from swarmgrad.dht.routing import DHTID
+
+        probe = await cls.create(no_listen=True, use_relay=use_relay, startup_timeout=timeout)
+        node = None
+        try:
+            async with asyncio.timeout(timeout):
+                node = await DHTNode.create(
+                    probe.peer,
+                    initial_peers=list(initial_peers),
+                    client_mode=True,
+                    refresh_on_join=False,
+                    bootstrap_timeout=timeout,
+                )
+                if probe.peer.is_connected(peer_id):  # an initial peer holds it
+                    return True
+                nearest = await node.find_nearest_nodes(DHTID.for_peer(peer_id), k=1)
+                if not any(found == peer_id for _, found in nearest):
+                    return False
+                return probe.peer.is_connected(peer_id) or await node.ping(peer_id)
+        except TimeoutError:
+            raise P2PDaemonError(
+                f"could not tell in {timeout} seconds whether {peer_id} is online"
+            ) from None
+        finally:
+            if node is not None:
+                await node.shutdown()
+            await probe.shutdown()
 
     @staticmethod
     def generate_identity(identity_path: str) -> None:
@@ -418,14 +546,30 @@ class P2P:
         self, name: str, handler: Callable[..., Any], balanced: bool = False
     ) -> None:
         """Serve ``async handler(stream_info, reader, writer)`` under ``name``: a raw
-        bidirectional byte stream; our side is closed when the handler returns."""
+        bidirectional byte stream; our side is closed when the handler returns. A handler
+        that raises resets the stream with the error's type and message (the caller's next
+        read raises it) and is logged; the peer goes on serving."""
 
         async def serve(stream: Any) -> None:
             info = StreamInfo(stream.remote_peer_id, None, name)
             writer = StreamWriter(stream)
-            await handler(info, StreamReader(stream), writer)
-            await writer.drain()
-            await writer.wait_closed()
+            try:
+                await handler(info, StreamReader(stream), writer)
+                await writer.drain()
+                await writer.wait_closed()
+            except SwarmgradError:
+                raise  # the peer resets the stream with the error's message
+            except Exception as e:  # the handler's own failure, or the caller went away
+                if isinstance(e, asyncio.IncompleteReadError):
+                    why = f"the stream ended {len(e.partial)} bytes into a {e.expected}-byte read"
+                    logger.debug(f"Binary stream {name!r} from {info.peer_id}: {why}")
+                else:
+                    why = f"{type(e).__name__}: {e}"
+                    logger.warning(
+                        f"Binary stream handler {name!r} failed for {info.peer_id}: {why}"
+                    )
+                stream.reset(f"handler {name!r} failed: {why}")
+                return
             await stream.close_write()  # the caller's side stays open until it closes it
 
         self._peer.add_protocol_handler(name, serve)
@@ -446,6 +590,100 @@ class P2P:
         stream = await self._peer.open_stream(peer_id, handler_name)
         info = StreamInfo(stream.remote_peer_id, None, handler_name)
         return info, StreamReader(stream), StreamWriter(stream)
+
+    # ------------------------------------------------------------------ framing on streams
+
+    @staticmethod
+    async def send_raw_data(data: bytes, writer: Any, *, chunk_size: int = 2**16) -> None:
+        """Write ``data`` as one framed message: its length in ``HEADER_LEN`` bytes
+        (``BYTEORDER``), then the bytes, ``chunk_size`` at a time with a ``drain`` after
+        each (the stream's flow control applies). ``writer`` is the one a binary stream
+        handler gets, or any asyncio-style writer."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise ValidationError(f"send_raw_data sends bytes, got a {type(data).__name__}")
+        positive_int("chunk_size", chunk_size)
+        view = memoryview(data)
+        if not view.c_contiguous:
+            raise ValidationError("send_raw_data sends a contiguous buffer, got a strided view")
+        view = view.cast("B")
+        writer.write(len(view).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+        for offset in range(0, len(view), chunk_size):
+            writer.write(view[offset : offset + chunk_size])
+            await writer.drain()
+        await writer.drain()
+
+    @staticmethod
+    async def receive_raw_data(
+        reader: Any, *, max_size: int | None = DEFAULT_MAX_MESSAGE_SIZE
+    ) -> bytes:
+        """Read one message framed by :meth:`send_raw_data`. A length above ``max_size``
+        (swarmgrad's message limit, 1 GiB, unless given; ``None``: no limit) is refused
+        with :class:`~swarmgrad.utils.errors.FrameTooLarge` before anything is read (the
+        stream is then mid-message: close it); a stream that ends early raises
+        :class:`asyncio.IncompleteReadError`."""
+        header = await reader.readexactly(P2P.HEADER_LEN)
+        length = int.from_bytes(header, P2P.BYTEORDER)
+        if max_size is not None and length > max_size:
+            raise FrameTooLarge(
+                f"the stream announces a message of {length} bytes, more than "
+                f"max_size={max_size} (pass a larger max_size= to receive_raw_data)"
+            )
+        return await reader.readexactly(length)
+
+    @staticmethod
+    async def send_protobuf(protobuf: Any, writer: Any) -> None:
+        """Write a marker byte and a framed message: ``ERROR_MARKER`` and the encoded
+        error for an :class:`~swarmgrad.p2p.datastructures.RPCError` (``END_OF_STREAM``
+        ends a stream of messages), else ``MESSAGE_MARKER`` and the serialized protobuf
+        message or, as everywhere in :mod:`swarmgrad.p2p`, a msgpack-able object."""
+        if isinstance(protobuf, RPCError):
+            marker, data = P2P.ERROR_MARKER, protobuf.SerializeToString()
+        elif _ProtobufMessage is not None and isinstance(protobuf, _ProtobufMessage):
+            marker, data = P2P.MESSAGE_MARKER, protobuf.SerializeToString()
+        else:
+            try:
+                data = msgpack.packb(protobuf, use_bin_type=True)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise ValidationError(
+                    f"send_protobuf sends a protobuf message, an RPCError or a msgpack-able "
+                    f"object, got a {type(protobuf).__name__} ({e})"
+                ) from None
+            marker = P2P.MESSAGE_MARKER
+        writer.write(marker)
+        await P2P.send_raw_data(data, writer)
+
+    @staticmethod
+    async def receive_protobuf(
+        input_protobuf_type: type | None, reader: Any
+    ) -> tuple[Any | None, RPCError | None]:
+        """Read what :meth:`send_protobuf` wrote: ``(message, None)``, parsed as
+        ``input_protobuf_type`` (a protobuf class; ``None`` or another class: a msgpack
+        object), or ``(None, error)`` for an RPCError. A marker that is neither is an
+        :class:`~swarmgrad.p2p.datastructures.InvalidMessageMarker` (a ``TypeError``, as
+        in hivemind); bytes that do not parse are a ``ValidationError``."""
+        if input_protobuf_type is not None and not isinstance(input_protobuf_type, type):
+            raise ValidationError(
+                f"receive_protobuf takes a message class (or None for msgpack objects), got "
+                f"a {type(input_protobuf_type).__name__} instance"
+            )
+        marker = await reader.readexactly(1)
+        if marker == P2P.MESSAGE_MARKER:
+            data = await P2P.receive_raw_data(reader)
+            if is_protobuf_type(input_protobuf_type):
+                return _decode(data, input_protobuf_type, "a message on the stream"), None
+            try:
+                return msgpack.unpackb(data, raw=False), None
+            except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as e:
+                raise ValidationError(
+                    f"a message on the stream is not a msgpack object ({e}); pass its "
+                    f"protobuf class to receive_protobuf if it is a protobuf message"
+                ) from None
+        if marker == P2P.ERROR_MARKER:
+            return None, RPCError.FromString(await P2P.receive_raw_data(reader))
+        raise InvalidMessageMarker(
+            f"Invalid Protobuf message type: marker byte {marker!r}, expected "
+            f"{P2P.MESSAGE_MARKER!r} (a message) or {P2P.ERROR_MARKER!r} (an RPCError)"
+        )
 
     # ------------------------------------------------------------------ shutdown
 

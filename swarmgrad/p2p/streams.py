@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from swarmgrad.net.mux import Stream
-from swarmgrad.utils.errors import ConnectionClosed
+from swarmgrad.utils.errors import ConnectionClosed, ValidationError
 
 __all__ = ["StreamReader", "StreamWriter"]
 
@@ -34,17 +34,22 @@ class StreamReader:
         return b"".join(chunks)
 
     async def readexactly(self, n: int) -> bytes:
-        """Exactly ``n`` bytes; :class:`asyncio.IncompleteReadError` if the stream ends first."""
-        buffer = bytearray(n)
+        """Exactly ``n`` bytes; :class:`asyncio.IncompleteReadError` if the stream ends first.
+
+        Memory grows with what arrives, not with ``n``: a length announced by the far end
+        (``P2P.receive_raw_data``'s header) costs nothing until the bytes come."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValidationError(f"readexactly needs a byte count >= 0, got {n!r}")
+        chunks: list[bytes] = []
         filled = 0
         while filled < n:
             chunk = await self._stream.read(n - filled)
             if not chunk:
                 self._eof = True
-                raise asyncio.IncompleteReadError(bytes(buffer[:filled]), n)
-            buffer[filled : filled + len(chunk)] = chunk
+                raise asyncio.IncompleteReadError(b"".join(chunks), n)
+            chunks.append(chunk)
             filled += len(chunk)
-        return bytes(buffer)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def at_eof(self) -> bool:
         return self._eof

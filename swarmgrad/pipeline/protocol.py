@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -183,92 +183,92 @@ class StageInfo:
 
 
 @dataclass(frozen=True)
-class ForwardRequest(_Addressed):
-    inputs: tuple[torch.Tensor, ...]
-    compression: CompressionType = CompressionType.NONE
+class _TensorRequest(_Addressed):
+    """A stage request that carries tensors (the fields named in ``_TENSOR_FIELDS``, in
+    this order after the address) and ``compression``, the codec of the tensors both ways."""
+
+    _WHAT: ClassVar[str]
+    _TENSOR_FIELDS: ClassVar[tuple[str, ...]]
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "compression", _codec(self.compression, "compression", ValidationError)
-        )
+        codec = _codec(self.compression, "compression", ValidationError)  # type: ignore[attr-defined]
+        object.__setattr__(self, "compression", codec)
 
     def encode(self) -> dict[str, Any]:
-        return {
-            **self._head(),
-            "compression": self.compression.value,
-            "inputs": tensors_to_message(self.inputs, codecs_for(self.inputs, self.compression)),
-        }
+        codec: CompressionType = self.compression  # type: ignore[attr-defined]
+        message = {**self._head(), "compression": codec.value}
+        for name in self._TENSOR_FIELDS:
+            tensors = getattr(self, name)
+            message[name] = tensors_to_message(tensors, codecs_for(tensors, codec))
+        return message
 
     @classmethod
-    def decode(cls, message: Any) -> ForwardRequest:
-        pipeline, stage = cls._decode_head(message, FORWARD)
-        codec = _codec(message.get("compression", "none"), FORWARD, ValidationError)
-        inputs = _tensors(_field(message, "inputs", FORWARD), "inputs", ValidationError)
-        return cls(pipeline, stage, inputs, codec)
+    def decode(cls, message: Any) -> Self:
+        what = cls._WHAT
+        pipeline, stage = cls._decode_head(message, what)
+        codec = _codec(message.get("compression", "none"), what, ValidationError)
+        tensors = [
+            _tensors(_field(message, name, what), name, ValidationError)
+            for name in cls._TENSOR_FIELDS
+        ]
+        return cls(pipeline, stage, *tensors, codec)  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True)
-class BackwardRequest(_Addressed):
+class ForwardRequest(_TensorRequest):
+    inputs: tuple[torch.Tensor, ...]
+    compression: CompressionType = CompressionType.NONE
+
+    _WHAT: ClassVar[str] = FORWARD
+    _TENSOR_FIELDS: ClassVar[tuple[str, ...]] = ("inputs",)
+
+
+@dataclass(frozen=True)
+class BackwardRequest(_TensorRequest):
     inputs: tuple[torch.Tensor, ...]
     grad_outputs: tuple[torch.Tensor, ...]
     compression: CompressionType = CompressionType.NONE
 
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "compression", _codec(self.compression, "compression", ValidationError)
-        )
-
-    def encode(self) -> dict[str, Any]:
-        return {
-            **self._head(),
-            "compression": self.compression.value,
-            "inputs": tensors_to_message(self.inputs, codecs_for(self.inputs, self.compression)),
-            "grad_outputs": tensors_to_message(
-                self.grad_outputs, codecs_for(self.grad_outputs, self.compression)
-            ),
-        }
-
-    @classmethod
-    def decode(cls, message: Any) -> BackwardRequest:
-        pipeline, stage = cls._decode_head(message, BACKWARD)
-        codec = _codec(message.get("compression", "none"), BACKWARD, ValidationError)
-        inputs = _tensors(_field(message, "inputs", BACKWARD), "inputs", ValidationError)
-        grads = _tensors(_field(message, "grad_outputs", BACKWARD), "grad_outputs", ValidationError)
-        return cls(pipeline, stage, inputs, grads, codec)
+    _WHAT: ClassVar[str] = BACKWARD
+    _TENSOR_FIELDS: ClassVar[tuple[str, ...]] = ("inputs", "grad_outputs")
 
 
 @dataclass(frozen=True)
-class ForwardAnswer:
+class _TensorAnswer:
+    """A stage's answer: one tuple of tensors (the field named ``_TENSOR_FIELD``), sent in
+    the codec the request asked for."""
+
+    _WHAT: ClassVar[str]
+    _TENSOR_FIELD: ClassVar[str]
+
+    def encode(self, compression: CompressionType) -> dict[str, Any]:
+        tensors = getattr(self, self._TENSOR_FIELD)
+        return {
+            "v": PROTOCOL_VERSION,
+            self._TENSOR_FIELD: tensors_to_message(tensors, codecs_for(tensors, compression)),
+        }
+
+    @classmethod
+    def decode(cls, message: Any) -> Self:
+        name = cls._TENSOR_FIELD
+        field = _field(message, name, f"{cls._WHAT} answer", ProtocolViolation)
+        return cls(_tensors(field, name, ProtocolViolation))  # type: ignore[call-arg]
+
+
+@dataclass(frozen=True)
+class ForwardAnswer(_TensorAnswer):
     outputs: tuple[torch.Tensor, ...]
 
-    def encode(self, compression: CompressionType) -> dict[str, Any]:
-        return {
-            "v": PROTOCOL_VERSION,
-            "outputs": tensors_to_message(self.outputs, codecs_for(self.outputs, compression)),
-        }
-
-    @classmethod
-    def decode(cls, message: Any) -> ForwardAnswer:
-        field = _field(message, "outputs", f"{FORWARD} answer", ProtocolViolation)
-        return cls(_tensors(field, "outputs", ProtocolViolation))
+    _WHAT: ClassVar[str] = FORWARD
+    _TENSOR_FIELD: ClassVar[str] = "outputs"
 
 
 @dataclass(frozen=True)
-class BackwardAnswer:
+class BackwardAnswer(_TensorAnswer):
     grad_inputs: tuple[torch.Tensor, ...]
 
-    def encode(self, compression: CompressionType) -> dict[str, Any]:
-        return {
-            "v": PROTOCOL_VERSION,
-            "grad_inputs": tensors_to_message(
-                self.grad_inputs, codecs_for(self.grad_inputs, compression)
-            ),
-        }
-
-    @classmethod
-    def decode(cls, message: Any) -> BackwardAnswer:
-        field = _field(message, "grad_inputs", f"{BACKWARD} answer", ProtocolViolation)
-        return cls(_tensors(field, "grad_inputs", ProtocolViolation))
+    _WHAT: ClassVar[str] = BACKWARD
+    _TENSOR_FIELD: ClassVar[str] = "grad_inputs"
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,6 @@ naming the boundary: better than every trainer's first micro-batch failing remot
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from torch import nn
 from swarmgrad.moe.protocol import BatchTensorDescriptor
 from swarmgrad.moe.server import ModuleBackend
 from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.user_module import import_user_file
 
 __all__ = [
     "StageModule",
@@ -159,21 +158,8 @@ class StageModule:
 
 def load_stage_module(path: str | Path) -> StageModule:
     """Import a stage module and check its names."""
-    file = Path(path)
     where = f"stage module {str(path)!r}"
-    if not file.is_file():
-        raise StageModuleError(f"{where} does not exist or is not a file")
-    name = f"swarmgrad_stage_module_{abs(hash(str(file.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise StageModuleError(f"{where} cannot be imported as Python (is it a .py file?)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:
-        sys.modules.pop(name, None)
-        raise StageModuleError(f"{where} failed to import: {type(e).__name__}: {e}") from e
+    module = import_user_file(path, "stage module", "swarmgrad_stage_module", StageModuleError)
     functions = {}
     for attr, required in (
         ("make_stages", True),

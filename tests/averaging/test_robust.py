@@ -225,7 +225,7 @@ def test_the_reducer_applies_the_rule_per_part_and_counts_who_was_limited(arun):
             reducer.accumulate_part(0, 1, parts[0][1])
         with pytest.raises(ProtocolViolation, match="part 0 is already finished"):
             reducer.accumulate_part(3, 0, parts[3][0])
-        with pytest.raises(ProtocolViolation, match=r"must be 2 torch\.float16 values"):
+        with pytest.raises(ProtocolViolation, match=r"must be 2 float16 values"):
             reducer.accumulate_part(3, 1, torch.zeros(3))
         assert not reducer.finished
         reducer.on_sender_failed(3)  # part 1 finishes without it

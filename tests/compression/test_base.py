@@ -126,6 +126,10 @@ def test_lossy_codecs_estimate_no_compression_for_integer_tensors():
 def test_blockwise_block_size_is_validated_and_travels_with_the_payload():
     with pytest.raises(ValidationError):
         BlockwiseQuantization(block_size=0)
+    with pytest.raises(ValidationError, match="block_size must be an int"):
+        BlockwiseQuantization(block_size=64.0)
+    with pytest.raises(ValidationError, match="block_size must be in"):
+        BlockwiseQuantization(block_size=(1 << 24) + 1)
     codec = BlockwiseQuantization(block_size=64)
     tensor = torch.randn(1000)
     serialized = codec.compress(tensor, CompressionInfo.from_tensor(tensor))

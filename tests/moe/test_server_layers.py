@@ -104,6 +104,10 @@ def test_broken_custom_modules_are_reported_with_their_path(tmp_path):
     broken.write_text("raise RuntimeError('oops')\n")
     with pytest.raises(ValidationError, match=r"broken\.py.*failed to import.*oops"):
         load_custom_module(broken)
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nsys.exit(3)\n")  # a script-style file: reported, no exit
+    with pytest.raises(ValidationError, match=r"script\.py. failed to import: SystemExit: 3"):
+        load_custom_module(script)
 
 
 def test_register_expert_class_checks_its_arguments():

@@ -17,14 +17,13 @@ tensors) are merged into one part, and only those are copied when sent.
 
 from __future__ import annotations
 
-import asyncio
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from swarmgrad.averaging.robust.reducer import PartReducer
 from swarmgrad.compression import (
     CompressionBase,
     CompressionInfo,
@@ -341,19 +340,17 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _PartState:
-    __slots__ = ("acc", "contributed", "future", "plain", "plain_count", "started", "weight")
+    __slots__ = ("acc", "plain", "plain_count", "started", "weight")
 
-    def __init__(self, future: asyncio.Future, acc: torch.Tensor | None):
+    def __init__(self, acc: torch.Tensor | None):
         self.acc = acc  # running weighted sum (preallocated, or made by the first sender)
         self.started = False
         self.weight = 0.0
         self.plain: torch.Tensor | None = None  # unweighted sum of weight-0 contributions
         self.plain_count = 0
-        self.contributed: set[int] = set()
-        self.future = future
 
 
-class TensorPartReducer:
+class TensorPartReducer(PartReducer):
     """Owner side: the weighted average of each part of one span over its senders.
 
     ``part_specs`` lists ``(numel, dtype)`` per part; senders are numbered
@@ -377,10 +374,7 @@ class TensorPartReducer:
         *,
         buffer: torch.Tensor | None = None,
     ):
-        if num_senders < 0:
-            raise ValidationError(f"num_senders must be >= 0, got {num_senders}")
-        self.part_specs = [(int(numel), dtype) for numel, dtype in part_specs]
-        self.num_senders = num_senders
+        super().__init__(part_specs, num_senders)
         accumulators: list[torch.Tensor | None] = [None] * len(self.part_specs)
         if buffer is not None:
             needed = self.accumulator_nbytes(self.part_specs)
@@ -392,14 +386,8 @@ class TensorPartReducer:
                 size = numel * acc_dtype.itemsize
                 accumulators[index] = buffer[offset : offset + size].view(acc_dtype)
                 offset += -(-size // 8) * 8
-        loop = asyncio.get_running_loop()
-        self._parts = [_PartState(loop.create_future(), acc) for acc in accumulators]
-        self._failed: set[int] = set()
-        self._pending_parts = len(self._parts)
-        self._all_done = loop.create_future()
-        self.contributions = [0] * num_senders  # parts delivered per sender
-        for index in range(len(self._parts)):
-            self._maybe_finish(index)  # no senders at all: every part is finished already
+        self._parts = [_PartState(acc) for acc in accumulators]
+        self._finish_ready()  # no senders at all: every part is finished already
 
     @staticmethod
     def accumulator_nbytes(part_specs: Sequence[tuple[int, torch.dtype]]) -> int:
@@ -409,49 +397,12 @@ class TensorPartReducer:
             total += -(-numel * _accumulator_dtype(dtype).itemsize // 8) * 8
         return total
 
-    @property
-    def num_parts(self) -> int:
-        return len(self._parts)
-
-    @property
-    def failed_senders(self) -> frozenset[int]:
-        return frozenset(self._failed)
-
-    def accumulate_part(
-        self,
-        sender_index: int,
-        part_index: int,
-        part: torch.Tensor,
-        weight: float = 1.0,
-        *,
-        reuse: bool = False,
+    def _add(
+        self, sender_index: int, part_index: int, part: torch.Tensor, weight: float, reuse: bool
     ) -> None:
-        """Add ``weight * part`` from a sender. ``reuse=True`` lets the reducer keep and
-        overwrite ``part``'s memory (a freshly received buffer), saving a copy."""
-        if not 0 <= sender_index < self.num_senders:
-            raise ValidationError(f"sender index {sender_index} not in [0, {self.num_senders})")
-        if sender_index in self._failed:
-            raise ProtocolViolation(f"sender {sender_index} was excluded from this round")
-        if not 0 <= part_index < len(self._parts):
-            raise ProtocolViolation(
-                f"sender {sender_index} sent part {part_index}, but this span has only "
-                f"{len(self._parts)} parts (more data than its share)"
-            )
-        numel, dtype = self.part_specs[part_index]
-        if part.numel() != numel or part.dtype != dtype:
-            raise ProtocolViolation(
-                f"sender {sender_index}: part {part_index} must be {numel} {dtype_name(dtype)} "
-                f"values, got {part.numel()} {dtype_name(part.dtype)}"
-            )
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ValidationError(f"sender {sender_index}: weight must be finite and >= 0")
         state = self._parts[part_index]
-        if sender_index in state.contributed:
-            raise ProtocolViolation(f"sender {sender_index} sent part {part_index} twice")
-        if state.future.done():
-            raise ProtocolViolation(f"part {part_index} is already finished")
         part = part.view(-1)
-        acc_dtype = _accumulator_dtype(dtype)
+        acc_dtype = _accumulator_dtype(self.part_specs[part_index][1])
         if weight > 0:
             if not state.started:
                 if state.acc is None:
@@ -473,46 +424,9 @@ class TensorPartReducer:
             else:
                 state.plain.add_(part)
             state.plain_count += 1
-        state.contributed.add(sender_index)
-        self.contributions[sender_index] += 1
-        self._maybe_finish(part_index)
 
-    def on_sender_failed(self, sender_index: int) -> None:
-        """Stop waiting for this sender; parts it already delivered stay counted."""
-        if sender_index in self._failed or not 0 <= sender_index < self.num_senders:
-            return
-        self._failed.add(sender_index)
-        for index in range(len(self._parts)):
-            self._maybe_finish(index)
-
-    def part_future(self, part_index: int) -> asyncio.Future:
-        """Resolves with the averaged part (or None); cancelled by :meth:`cancel`."""
-        return self._parts[part_index].future
-
-    async def wait_part(self, part_index: int) -> torch.Tensor | None:
-        return await asyncio.shield(self._parts[part_index].future)
-
-    async def wait_all(self) -> None:
-        await asyncio.shield(self._all_done)
-
-    @property
-    def finished(self) -> bool:
-        return self._pending_parts == 0
-
-    def cancel(self) -> None:
-        """Give up: unfinished parts are cancelled (waiters see CancelledError)."""
-        for state in self._parts:
-            if not state.future.done():
-                state.future.cancel()
-        if not self._all_done.done():
-            self._all_done.cancel()
-
-    def _maybe_finish(self, part_index: int) -> None:
+    def _reduce(self, part_index: int) -> torch.Tensor | None:
         state = self._parts[part_index]
-        if state.future.done():
-            return
-        if len(state.contributed | self._failed) < self.num_senders:
-            return
         _, dtype = self.part_specs[part_index]
         if state.started and state.weight > 0:
             result = state.acc.div_(state.weight)
@@ -523,7 +437,4 @@ class TensorPartReducer:
         if result is not None and result.dtype != dtype:
             result = result.to(dtype)
         state.acc = state.plain = None
-        state.future.set_result(result)
-        self._pending_parts -= 1
-        if self._pending_parts == 0 and not self._all_done.done():
-            self._all_done.set_result(None)
+        return result

@@ -79,14 +79,14 @@ from swarmgrad.averaging.allreduce.streams import (
     within,
 )
 from swarmgrad.averaging.allreduce.types import (
-    MAX_WEIGHT,
     AllReduceResult,
     AveragingMode,
     BadReduction,
     GroupMismatch,
+    check_weight,
 )
 from swarmgrad.averaging.group_info import GroupInfo
-from swarmgrad.averaging.robust.reducer import RobustPartReducer
+from swarmgrad.averaging.robust.reducer import PartReducer, RobustPartReducer
 from swarmgrad.averaging.robust.rules import AggregationRule
 from swarmgrad.compression import CompressionBase, CompressionInfo, CompressionType
 from swarmgrad.compression.base import all_finite, tensor_bytes
@@ -212,7 +212,7 @@ class AllReduceRunner(OwnerRole):
         self.sender_indices = [i for i, m in enumerate(self.modes) if m is not AveragingMode.AUX]
         self._slot_of = {member: slot for slot, member in enumerate(self.sender_indices)}
         self._router = AllReduceRouter.for_peer(peer)
-        self._reducer: TensorPartReducer | None = None
+        self._reducer: PartReducer | None = None
         self._replies: dict[int, tuple[bytes, memoryview] | memoryview] = {}
         self._admitted: set[int] = set()
         self._excluded: dict[PeerID, str] = {}
@@ -237,14 +237,7 @@ class AllReduceRunner(OwnerRole):
             if weight not in (None, 0, 0.0):
                 raise ValidationError("an auxiliary member contributes nothing: weight must be 0")
             return 0.0
-        weight = 1.0 if weight is None else weight
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            raise ValidationError(f"weight must be a number, got {weight!r}")
-        if not math.isfinite(weight) or not 0 <= weight <= MAX_WEIGHT:
-            raise ValidationError(
-                f"weight must be finite and >= 0, at most {MAX_WEIGHT:g}; got {weight!r}"
-            )
-        return float(weight)
+        return check_weight(1.0 if weight is None else weight)
 
     def _spans(
         self, total: int, span_sizes: Sequence[int] | None, fractions: Sequence[float] | None

@@ -5,7 +5,9 @@ modules (round plans, step control, offender logs) need not import it."""
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from swarmgrad.net.identity import PeerID
 from swarmgrad.utils.errors import ProtocolViolation, ValidationError
@@ -17,6 +19,7 @@ __all__ = [
     "BadReduction",
     "GroupMismatch",
     "UnknownGroup",
+    "check_weight",
 ]
 
 # Weights are relative, so a bound costs nothing. Owners sum weight * part in float32 for
@@ -24,6 +27,17 @@ __all__ = [
 # raise mid-round, and one near it turns the sum into Inf and the average into NaN. 1e30
 # leaves eight orders of magnitude for the values themselves.
 MAX_WEIGHT = 1e30
+
+
+def check_weight(weight: Any) -> float:
+    """A member's weight as a float: a finite number in ``[0, MAX_WEIGHT]`` (bools refused)."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise ValidationError(f"weight must be a number, got {weight!r}")
+    if not math.isfinite(weight) or not 0 <= weight <= MAX_WEIGHT:
+        raise ValidationError(
+            f"weight must be finite and >= 0, at most {MAX_WEIGHT:g}; got {weight!r}"
+        )
+    return float(weight)
 
 
 class AveragingMode(enum.Enum):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,19 +180,7 @@ class ExpertCaller:
         """Outputs of the expert for a batch of inputs (no autograd). ``schema`` lets the
         mixture-of-experts layers use one schema for a whole grid without an info call
         per expert; inputs are expected to match it already."""
-        deadline = self._deadline(timeout)
-        schema = schema or self.schema or await self.get_schema(self._remaining(deadline))
-        batch_size = inputs[0].shape[0] if inputs else 0
-        limit = schema.max_batch_size
-        if limit and batch_size > limit:
-            parts = await asyncio.gather(
-                *(
-                    self._forward_once([t[i : i + limit] for t in inputs], schema, deadline)
-                    for i in range(0, batch_size, limit)
-                )
-            )
-            return [torch.cat(pieces) for pieces in zip(*parts, strict=True)]
-        return await self._forward_once(inputs, schema, deadline)
+        return await self._in_batches(self._forward_once, (inputs,), timeout, schema)
 
     async def backward(
         self,
@@ -203,24 +191,27 @@ class ExpertCaller:
         schema: ExpertSchema | None = None,
     ) -> list[torch.Tensor]:
         """Gradients of the expert's inputs; the server also updates its weights."""
+        return await self._in_batches(self._backward_once, (inputs, grad_outputs), timeout, schema)
+
+    async def _in_batches(
+        self,
+        call: Callable[..., Awaitable[list[torch.Tensor]]],
+        batches: tuple[Sequence[torch.Tensor], ...],
+        timeout: float | None,
+        schema: ExpertSchema | None,
+    ) -> list[torch.Tensor]:
+        """``call(*batches, schema, deadline)``; a batch larger than the schema's
+        ``max_batch_size`` goes as several concurrent requests, their outputs concatenated."""
         deadline = self._deadline(timeout)
         schema = schema or self.schema or await self.get_schema(self._remaining(deadline))
-        batch_size = inputs[0].shape[0] if inputs else 0
+        batch_size = batches[0][0].shape[0] if batches[0] else 0
         limit = schema.max_batch_size
-        if limit and batch_size > limit:
-            parts = await asyncio.gather(
-                *(
-                    self._backward_once(
-                        [t[i : i + limit] for t in inputs],
-                        [g[i : i + limit] for g in grad_outputs],
-                        schema,
-                        deadline,
-                    )
-                    for i in range(0, batch_size, limit)
-                )
-            )
-            return [torch.cat(pieces) for pieces in zip(*parts, strict=True)]
-        return await self._backward_once(inputs, grad_outputs, schema, deadline)
+        if not limit or batch_size <= limit:
+            return await call(*batches, schema, deadline)
+        slices = [slice(i, i + limit) for i in range(0, batch_size, limit)]
+        requests = (call(*([t[s] for t in ts] for ts in batches), schema, deadline) for s in slices)
+        parts = await asyncio.gather(*requests)
+        return [torch.cat(pieces) for pieces in zip(*parts, strict=True)]
 
     async def _forward_once(
         self, inputs: Sequence[torch.Tensor], schema: ExpertSchema, deadline: float

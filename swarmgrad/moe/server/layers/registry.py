@@ -9,9 +9,7 @@ shapes and dtypes real requests will have. Floating-point sample inputs should h
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import torch
 from torch import nn
 
 from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.user_module import import_user_file
 
 __all__ = [
     "SampleInputFn",
@@ -63,17 +62,4 @@ def register_expert_class(name: str, sample_input: SampleInputFn) -> Callable[[A
 def load_custom_module(path: str | Path) -> None:
     """Execute the Python file at ``path`` so its ``@register_expert_class`` calls add
     classes to the registry (``--custom-module-path``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValidationError(f"custom module {str(path)!r} does not exist or is not a file")
-    module_name = f"swarmgrad_custom_experts_{abs(hash(path.resolve()))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ValidationError(f"custom module {str(path)!r} cannot be imported as Python")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        sys.modules.pop(module_name, None)
-        raise ValidationError(f"custom module {str(path)!r} failed to import: {e!r}") from e
+    import_user_file(path, "custom module", "swarmgrad_custom_experts")
