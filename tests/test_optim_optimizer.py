@@ -685,6 +685,52 @@ def test_grad_scaler_with_reused_buffers_unscales_once_per_epoch(one_dht):
     assert max_difference(results[0], results[1]) < 1e-5
 
 
+def _train_alone(opt, model, until_epoch, scaler=None, seed=0):
+    """Lone-peer training loop on the helpers' data; with ``scaler``: hivemind's documented
+    usage, ``scaler.scale(loss).backward(); opt.step(grad_scaler=scaler)``."""
+    from tests.optim_helpers import batch
+
+    generator = torch.Generator().manual_seed(seed)
+    while opt.local_epoch < until_epoch:
+        x, y = batch(generator)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            opt.step(grad_scaler=scaler)
+            scaler.update()
+        opt.zero_grad()
+    return snapshot(model)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_grad_scaler_with_separate_accumulators_gives_the_unscaled_run(one_dht, offload):
+    """reuse_grad_buffers=False (the default) and opt.step(grad_scaler=scaler) at a large
+    scale: each epoch's update is the one of the same run without loss scaling. (The
+    accumulated gradients used to reach the optimizer still multiplied by the scale: SGD
+    at 2**16 times its step diverged.)"""
+    from swarmgrad.optim import GradScaler
+
+    results = []
+    for use_scaler in (False, True):
+        model = make_model(0)
+        opt = make_optimizer(
+            one_dht, model, run_id=f"amp_sep{use_scaler}{offload}", target_batch_size=32,
+            offload_optimizer=offload,
+        )  # fmt: skip
+        scaler = GradScaler("cpu", init_scale=2.0**16) if use_scaler else None
+        try:
+            results.append(_train_alone(opt, model, until_epoch=3, scaler=scaler))
+        finally:
+            opt.shutdown()
+        if scaler is not None:
+            assert scaler.get_scale() >= 2.0**16  # no overflow seen, so no shrinking
+    assert max_difference(results[0], snapshot(make_model(0))) > 1e-3  # it trained
+    assert max_difference(results[0], results[1]) < 1e-5
+
+
 @pytest.mark.parametrize("same_start", [True, False])
 def test_a_state_round_runs_only_when_the_peers_states_differ(same_start):
     """Synchronous peers that start equal stay equal (same averaged gradients): their
