@@ -685,9 +685,10 @@ def test_grad_scaler_with_reused_buffers_unscales_once_per_epoch(one_dht):
     assert max_difference(results[0], results[1]) < 1e-5
 
 
-def _train_alone(opt, model, until_epoch, scaler=None, seed=0):
+def _train_alone(opt, model, until_epoch, scaler=None, seed=0, scaler_steps=False):
     """Lone-peer training loop on the helpers' data; with ``scaler``: hivemind's documented
-    usage, ``scaler.scale(loss).backward(); opt.step(grad_scaler=scaler)``."""
+    usage, ``scaler.scale(loss).backward(); opt.step(grad_scaler=scaler)``, or with
+    ``scaler_steps`` torch's, ``scaler.step(opt)``."""
     from tests.optim_helpers import batch
 
     generator = torch.Generator().manual_seed(seed)
@@ -699,30 +700,38 @@ def _train_alone(opt, model, until_epoch, scaler=None, seed=0):
             opt.step()
         else:
             scaler.scale(loss).backward()
-            opt.step(grad_scaler=scaler)
+            if scaler_steps:
+                scaler.step(opt)
+            else:
+                opt.step(grad_scaler=scaler)
             scaler.update()
         opt.zero_grad()
     return snapshot(model)
 
 
+@pytest.mark.parametrize("scaler_steps", [False, True])
 @pytest.mark.parametrize("offload", [False, True])
-def test_grad_scaler_with_separate_accumulators_gives_the_unscaled_run(one_dht, offload):
-    """reuse_grad_buffers=False (the default) and opt.step(grad_scaler=scaler) at a large
-    scale: each epoch's update is the one of the same run without loss scaling. (The
-    accumulated gradients used to reach the optimizer still multiplied by the scale: SGD
-    at 2**16 times its step diverged.)"""
+def test_grad_scaler_with_separate_accumulators_gives_the_unscaled_run(
+    one_dht, offload, scaler_steps
+):
+    """reuse_grad_buffers=False (the default) with a GradScaler at a large scale, through
+    opt.step(grad_scaler=scaler) or scaler.step(opt): each epoch's update is the one of
+    the same run without loss scaling. (The accumulated gradients used to reach the
+    optimizer still multiplied by the scale: SGD at 2**16 times its step diverged.)"""
     from swarmgrad.optim import GradScaler
 
     results = []
     for use_scaler in (False, True):
         model = make_model(0)
         opt = make_optimizer(
-            one_dht, model, run_id=f"amp_sep{use_scaler}{offload}", target_batch_size=32,
+            one_dht, model, run_id=f"amp_sep{use_scaler}{offload}{scaler_steps}", target_batch_size=32,
             offload_optimizer=offload,
         )  # fmt: skip
         scaler = GradScaler("cpu", init_scale=2.0**16) if use_scaler else None
         try:
-            results.append(_train_alone(opt, model, until_epoch=3, scaler=scaler))
+            results.append(
+                _train_alone(opt, model, until_epoch=3, scaler=scaler, scaler_steps=scaler_steps)
+            )
         finally:
             opt.shutdown()
         if scaler is not None:

@@ -280,6 +280,9 @@ class Optimizer(torch.optim.Optimizer):
         # torch.amp's GradScaler looks at this: with reused buffers it must not unscale
         # the accumulated gradients at every local step (see GradScaler)
         self._step_supports_amp_scaling = reuse_grad_buffers
+        # ... and without them, its scaler.step(opt) unscales every step (as torch's does;
+        # it used to only check, and the accumulators summed scaled gradients)
+        self._unscale_every_step = not reuse_grad_buffers
         try:
             self.epochs.start_metrics(dht, metrics, self._collect_metrics)
         except BaseException:
