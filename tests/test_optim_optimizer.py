@@ -724,9 +724,12 @@ def test_grad_scaler_with_separate_accumulators_gives_the_unscaled_run(
     for use_scaler in (False, True):
         model = make_model(0)
         opt = make_optimizer(
-            one_dht, model, run_id=f"amp_sep{use_scaler}{offload}{scaler_steps}", target_batch_size=32,
+            one_dht,
+            model,
+            run_id=f"amp_sep{use_scaler}{offload}{scaler_steps}",
+            target_batch_size=32,
             offload_optimizer=offload,
-        )  # fmt: skip
+        )
         scaler = GradScaler("cpu", init_scale=2.0**16) if use_scaler else None
         try:
             results.append(
