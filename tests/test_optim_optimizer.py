@@ -743,6 +743,42 @@ def test_grad_scaler_with_separate_accumulators_gives_the_unscaled_run(
     assert max_difference(results[0], results[1]) < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("delay", "use_scaler"), [(False, False), (False, True), (True, False)]
+)
+def test_local_updates_with_an_offloaded_optimizer_move_the_model(one_dht, delay, use_scaler):
+    """use_local_updates with offload_optimizer: every step updates the model, as without
+    offload (the offloaded copy's .grad used to stay empty: the model never changed).
+    A delayed step applies one step later, so it only has to move the model."""
+    from swarmgrad.optim import GradScaler
+
+    results = {}
+    for offload in (False, True):
+        model = make_model(0)
+        opt = make_optimizer(
+            one_dht,
+            model,
+            run_id=f"local_off{offload}{delay}{use_scaler}",
+            target_batch_size=32,
+            use_local_updates=True,
+            offload_optimizer=offload,
+            delay_optimizer_step=delay and offload,
+        )
+        scaler = GradScaler("cpu", init_scale=2.0**16) if use_scaler and offload else None
+        try:
+            assert opt.offload_optimizer == offload
+            local_step(model, torch.Generator().manual_seed(0))
+            opt.step()
+            opt.zero_grad()
+            opt.state_averager.step(wait_for_delayed_updates=True)  # a delayed one, applied
+            assert max_difference(snapshot(model), snapshot(make_model(0))) > 1e-4
+            results[offload] = _train_alone(opt, model, until_epoch=2, scaler=scaler, seed=1)
+        finally:
+            opt.shutdown()
+    if not delay:
+        assert max_difference(results[False], results[True]) < 1e-5
+
+
 @pytest.mark.parametrize("same_start", [True, False])
 def test_a_state_round_runs_only_when_the_peers_states_differ(same_start):
     """Synchronous peers that start equal stay equal (same averaged gradients): their

@@ -340,6 +340,9 @@ class Optimizer(torch.optim.Optimizer):
         self.state_averager = make_state_averager(
             **common,
             offload_optimizer=self.offload_optimizer,
+            # with local updates nothing averages into the offloaded .grad: each step
+            # copies the model's gradients there
+            custom_gradients=self.offload_optimizer and not use_local_updates,
             delta_rule_averaging=use_local_updates and self.delay_state_averaging,
             status_loglevel=self.status_loglevel,
             averager_opts=state_opts,
