@@ -84,6 +84,16 @@ class GradScaler(torch.amp.GradScaler):
             self._states_to_reset.add(id(optimizer))
             return False
 
+    def unscale_for_step(self, optimizer: Any) -> bool:
+        """Unscale ``optimizer``'s gradients for a real step that its owner takes itself
+        (maybe in the background, after the user's :meth:`update`) and say whether they
+        are finite (if not, the step must be skipped). The scale may change at the next
+        :meth:`update`. The Optimizer uses it for local updates."""
+        with self._lock, self.running_global_step():
+            super().unscale_(optimizer)
+            self._ready_to_update = True
+            return self.are_grads_finite(optimizer, use_cached=True)
+
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             if self._global_step and not getattr(optimizer, "_step_supports_amp_scaling", False):

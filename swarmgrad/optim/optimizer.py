@@ -539,16 +539,14 @@ class Optimizer(torch.optim.Optimizer):
             self.rounds.maybe_schedule()
             self._maybe_schedule_state_averaging()
         elif not self.auxiliary:
-            if grad_scaler is not None:
-                with grad_scaler.running_global_step():
-                    grad_scaler.unscale_(self)
+            # the scaler's part is done here, not in the step: a delayed step runs after
+            # the user's scaler.update(), which must find these gradients unscaled
+            finite = grad_scaler is None or grad_scaler.unscale_for_step(self)
             samples = self.tracker.local_progress.samples_accumulated + batch_size
             self.tracker.report_local_progress(self.local_epoch, samples)
             self._maybe_schedule_state_averaging()
             self.state_averager.step(
-                optimizer_step=True,
-                delay_optimizer_step=self.delay_optimizer_step,
-                grad_scaler=grad_scaler,
+                optimizer_step=finite, delay_optimizer_step=self.delay_optimizer_step
             )
 
         if self.tracker.ready_to_update_epoch:
