@@ -586,13 +586,15 @@ class Optimizer(torch.optim.Optimizer):
             self.tracker.report_local_progress(self.local_epoch, 0)
             self.grad_averager.reset_accumulated_grads_()
             return False
-        grad_scale = 1.0
         if grad_scaler is not None and not self.grad_averager.reuse_grad_buffers:
             # separate accumulators take each batch's gradient unscaled by the scale it was
             # computed with (hivemind unscales only the .grad buffers at the epoch's step,
             # which left these accumulators scaled: the update was `scale` times too big)
-            grad_scale = float(grad_scaler.get_scale())
-        self.grad_averager.accumulate_grads_(batch_size, grad_scale=grad_scale)
+            self.grad_averager.accumulate_grads_(
+                batch_size, grad_scale=float(grad_scaler.get_scale())
+            )
+        else:  # (a grad_averager_factory's class may take batch_size alone, as hivemind's)
+            self.grad_averager.accumulate_grads_(batch_size)
         self.tracker.report_local_progress(
             self.local_epoch, self.grad_averager.local_samples_accumulated
         )
