@@ -53,18 +53,27 @@ def test_two_peers_average_gradients_and_stay_identical():
             shutdown_all(*opts)
 
 
-def test_averaged_update_equals_large_batch_sgd():
+@pytest.mark.parametrize("scales", [None, (2.0**16, 2.0**8)], ids=["unscaled", "grad_scalers"])
+def test_averaged_update_equals_large_batch_sgd(scales):
     """The first epoch of two peers with different data equals one SGD step on the mean
     gradient of all the samples they computed in it (synchronous mode is large-batch
-    training)."""
+    training). Also when each peer scales its loss with a GradScaler of its own scale
+    (default accumulators): each averages true gradients."""
+    from swarmgrad.optim import GradScaler
+
     with dht_swarm(2) as dhts:
         models = [make_model(0), make_model(0)]
         opts = [
             make_optimizer(d, m, target_batch_size=48) for d, m in zip(dhts, models, strict=True)
         ]
         try:
+            scalers = (
+                [None, None]
+                if scales is None
+                else [GradScaler("cpu", init_scale=s) for s in scales]
+            )
             trainers = [
-                Trainer(o, m, seed=i, until_epoch=1, pause=0.05)
+                Trainer(o, m, seed=i, until_epoch=1, pause=0.05, grad_scaler=scalers[i])
                 for i, (o, m) in enumerate(zip(opts, models, strict=True))
             ]
             start_together(trainers)
@@ -743,9 +752,7 @@ def test_grad_scaler_with_separate_accumulators_gives_the_unscaled_run(
     assert max_difference(results[0], results[1]) < 1e-5
 
 
-@pytest.mark.parametrize(
-    ("delay", "use_scaler"), [(False, False), (False, True), (True, False)]
-)
+@pytest.mark.parametrize(("delay", "use_scaler"), [(False, False), (False, True), (True, False)])
 def test_local_updates_with_an_offloaded_optimizer_move_the_model(one_dht, delay, use_scaler):
     """use_local_updates with offload_optimizer: every step updates the model, as without
     offload (the offloaded copy's .grad used to stay empty: the model never changed).
