@@ -499,10 +499,8 @@ class Trainer:
                     kept = opt.local_epoch
                     logger.info("kept the swarm's state at epoch %d: %s", kept, path)
                     self.say("kept", epoch=kept, path=str(path), exports=exported)
-            # Say "at epoch E, no samples" again: the tracker's keepalive re-sends the last
-            # record with its old time, which would expire for a peer that never steps,
-            # and joiners find the kept state only through this record's epoch.
-            opt.tracker.report_local_progress(opt.local_epoch, 0)
+            # no need to report anything here: the tracker's keepalive renews this peer's
+            # record (joiners find the kept state through its epoch) while it runs
             self.stop.wait(1.0)
         self.say("done", epoch=opt.local_epoch, samples=0)
         return EXIT_OK

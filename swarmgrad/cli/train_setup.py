@@ -89,21 +89,6 @@ def check_run_options(settings: dict[str, Any], given: set[str]) -> None:
                 f"{_flag(name)} compresses averaged gradients: --mode local averages "
                 "parameters instead; use --mode sync"
             )
-    for name in ("offload", "delay"):
-        if s["mode"] == "local" and set_here(name):
-            # swarmgrad.Optimizer(use_local_updates=True, offload_optimizer=True) steps an
-            # offloaded copy whose .grad nothing fills (only the gradient averager does):
-            # the model would never change. Refused until the optimizer supports it.
-            raise ValidationError(
-                f"{_flag(name)} is not supported with --mode local (its local steps run "
-                "on the model's own parameters); use --mode sync"
-            )
-    if s["precision"] == "fp16" and s["mode"] == "sync" and s["clip_grad_norm"] is not None:
-        raise ValidationError(
-            "--clip-grad-norm is not supported with --precision fp16 in --mode sync: the "
-            "scaled gradients accumulate over the epoch in the .grad buffers, so a local "
-            "step's own gradient is not there to clip; use --precision bf16"
-        )
     if s["delay"]:
         if s["offload"] is False:
             raise ValidationError(
@@ -192,8 +177,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 @dataclass
 class Precision:
-    """Autocast and, for fp16, loss scaling with swarmgrad's :class:`GradScaler` (which
-    knows that gradients accumulate across steps until the swarm's epoch ends)."""
+    """Autocast and, for fp16, loss scaling with swarmgrad's :class:`GradScaler`: the
+    Optimizer unscales each step's gradients as it accumulates them (separate
+    accumulators), or once per epoch where the ``.grad`` buffers are the accumulators."""
 
     name: str
     device: torch.device
@@ -223,7 +209,7 @@ class Precision:
 
     def clip(self, params: list[torch.Tensor], max_norm: float) -> None:
         """Clip the local step's gradients to ``max_norm`` (of the unscaled gradients:
-        with fp16 the bound is scaled instead, since they stay scaled until the epoch)."""
+        with fp16 the bound is scaled instead, since the step's .grad is still scaled)."""
         if self.scaler is not None:
             max_norm = max_norm * self.scaler.get_scale()
         torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -325,9 +311,6 @@ def make_collaborative_optimizer(
         use_local_updates=s["mode"] == "local",
         client_mode=s["client_mode"],
         offload_optimizer=s["offload"],
-        # fp16: the scaled gradients accumulate in the .grad buffers and the swarmgrad
-        # GradScaler unscales them once per epoch (the path it is built for)
-        reuse_grad_buffers=s["precision"] == "fp16" and s["mode"] == "sync",
         delay_optimizer_step=s["delay"] or None,
         delay_grad_averaging=bool(s["delay"]) and s["mode"] == "sync",
         grad_compression=compression(s["grad_compression"]),

@@ -7,7 +7,7 @@ behind the dashboard, ``/api/snapshot`` and ``/metrics``.
 
 A peer appears in a run when it has a live progress record (``{run}_progress``, from its
 :class:`~swarmgrad.optim.progress_tracker.ProgressTracker`) or a live metrics record
-(``{run}_metrics``, :class:`~swarmgrad.optim.metrics.PeerMetrics`); both are keyed by the
+(``{run}_peer_metrics``, :class:`~swarmgrad.optim.metrics.PeerMetrics`); both are keyed by the
 peer's owner marker, so the two are joined on it. Each run keeps a bounded history of
 aggregate points (one per poll) and of each peer's loss.
 
@@ -119,7 +119,8 @@ def _parse(found: Any, model: type, max_bytes: int) -> ParsedRecords:
 
 
 def parse_metrics(found: Any) -> ParsedRecords:
-    """The :class:`PeerMetrics` records in what ``get(f"{run}_metrics")`` returned."""
+    """The :class:`PeerMetrics` records in what ``get(metrics_key(run))`` returned (the
+    key ``{run}_peer_metrics``)."""
     return _parse(found, PeerMetrics, MAX_METRICS_BYTES)
 
 

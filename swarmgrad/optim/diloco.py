@@ -129,6 +129,9 @@ class DiLoCoOptimizer(Optimizer):
     the loss goes in with :meth:`report`).
     """
 
+    #: every inner step is a real step: swarmgrad's GradScaler unscales at each one
+    _unscale_every_step = True
+
     def __init__(
         self,
         *,

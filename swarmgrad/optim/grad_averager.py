@@ -39,7 +39,7 @@ from swarmgrad.averaging.allreduce import AveragingMode
 from swarmgrad.averaging.averager import DecentralizedAverager
 from swarmgrad.averaging.step_control import StepControl
 from swarmgrad.dht.dht import DHT
-from swarmgrad.utils.checks import positive_int
+from swarmgrad.utils.checks import positive_int, positive_number
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
@@ -145,9 +145,19 @@ class GradientAverager(DecentralizedAverager):
             yield param.grad
 
     @torch.no_grad()
-    def accumulate_grads_(self, batch_size: int) -> None:
-        """Add the parameters' current gradients, computed on ``batch_size`` samples."""
+    def accumulate_grads_(self, batch_size: int, *, grad_scale: float = 1.0) -> None:
+        """Add the parameters' current gradients, computed on ``batch_size`` samples.
+        ``grad_scale``: the loss was multiplied by it (a GradScaler's scale); the
+        gradients are divided by it as they are added, so the accumulators hold true
+        gradients whatever scale each step used (only with separate accumulators: reused
+        ``.grad`` buffers are unscaled once, at the epoch's step)."""
         positive_int("batch_size", batch_size)
+        grad_scale = positive_number("grad_scale", grad_scale)
+        if grad_scale != 1.0 and self.reuse_grad_buffers:
+            raise ValidationError(
+                "grad_scale needs separate accumulators: with reuse_grad_buffers=True the "
+                ".grad buffers accumulate by themselves, unscale them once at the epoch's step"
+            )
         self.local_samples_accumulated += batch_size
         self.local_times_accumulated += 1
         self._folded = False  # new gradients: the next send folds them into the momentum
@@ -158,7 +168,7 @@ class GradientAverager(DecentralizedAverager):
             self._grads_from_parameters(), self._accumulators, strict=True
         ):
             if grad is not None:
-                accumulator.add_(grad.to(accumulator.device), alpha=batch_size)
+                accumulator.add_(grad.to(accumulator.device), alpha=batch_size / grad_scale)
 
     @torch.no_grad()
     def reset_accumulated_grads_(self) -> None:

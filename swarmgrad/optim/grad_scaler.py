@@ -13,10 +13,14 @@ scaler is used exactly like torch's::
     scaler.step(opt)            # opt: a swarmgrad.Optimizer
     scaler.update()
 
-but between epochs it only checks the gradients for overflow (an overflow resets the
-accumulated gradients and lowers the scale); the unscale and the real optimizer step
-happen once, when the Optimizer moves to the next epoch (inside
-:meth:`running_global_step`), and only then may the scale grow.
+With ``reuse_grad_buffers=True``, between epochs it only checks the gradients for
+overflow (an overflow resets the accumulated gradients and lowers the scale); the
+unscale and the real optimizer step happen once, when the Optimizer moves to the next
+epoch (inside :meth:`running_global_step`), and only then may the scale grow. With
+separate accumulators (the default) or local updates, ``scaler.step(opt)`` unscales each
+step's gradients as torch's does, and ``opt.step(grad_scaler=scaler)`` has the
+Optimizer unscale each batch as it accumulates it: either way the accumulated
+gradients are true gradients.
 """
 
 from __future__ import annotations
@@ -60,6 +64,13 @@ class GradScaler(torch.amp.GradScaler):
         """At the epoch's step: unscale for real (True). Between epochs: only look for
         overflow (False)."""
         with self._lock:
+            if not self._global_step and getattr(optimizer, "_unscale_every_step", False):
+                # a swarmgrad Optimizer that takes each step's gradients as they are
+                # (separate accumulators, or local updates): torch's rule, unscale now;
+                # the scale may then change at any step (each was unscaled by its own)
+                super().unscale_(optimizer)
+                self._ready_to_update = True
+                return True
             if self._global_step:
                 super().unscale_(optimizer)
                 inner = getattr(optimizer, "opt", optimizer)
@@ -72,6 +83,16 @@ class GradScaler(torch.amp.GradScaler):
             self._check_inf_per_device(optimizer)
             self._states_to_reset.add(id(optimizer))
             return False
+
+    def unscale_for_step(self, optimizer: Any) -> bool:
+        """Unscale ``optimizer``'s gradients for a real step that its owner takes itself
+        (maybe in the background, after the user's :meth:`update`) and say whether they
+        are finite (if not, the step must be skipped). The scale may change at the next
+        :meth:`update`. The Optimizer uses it for local updates."""
+        with self._lock, self.running_global_step():
+            super().unscale_(optimizer)
+            self._ready_to_update = True
+            return self.are_grads_finite(optimizer, use_cached=True)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lock:

@@ -1,7 +1,7 @@
 """Per-peer metrics records: what each peer of a run tells the monitor about itself.
 
 Every peer of a run publishes one small :class:`PeerMetrics` record in the DHT under the
-key ``f"{run_id}_metrics"`` and a subkey holding its own owner marker, so only that peer
+key ``f"{run_id}_peer_metrics"`` and a subkey holding its own owner marker, so only that peer
 can write it (:class:`~swarmgrad.dht.crypto.Ed25519SignatureValidator`, as for the
 progress records of :mod:`.progress`), with :class:`MetricsSchema` bounding every field.
 The run's id is also written, unsigned, under the directory key :data:`RUNS_KEY` (subkey:
@@ -63,8 +63,11 @@ _RUN_ID = constr(min_length=1, max_length=128, strict=True)
 
 
 def metrics_key(run_id: str) -> str:
-    """The DHT key under which a run's peers publish their metrics."""
-    return f"{run_id}_metrics"
+    """The DHT key under which a run's peers publish their metrics. Not
+    ``f"{run_id}_metrics"``: hivemind's ALBERT example (and programs made from it) keeps
+    its ``LocalMetrics`` there, under a schema that refuses our records, and ours would
+    refuse theirs."""
+    return f"{run_id}_peer_metrics"
 
 
 class OffenderMetrics(pydantic.BaseModel):
@@ -106,10 +109,10 @@ class PeerMetrics(pydantic.BaseModel):
 
 
 class MetricsSchema(pydantic.BaseModel):
-    """The DHT key ``{run_id}_metrics``: one entry per peer, under its owner marker; None
-    is a peer's goodbye."""
+    """The DHT key ``{run_id}_peer_metrics`` (:func:`metrics_key`; the field's name makes
+    the key): one entry per peer, under its owner marker; None is a peer's goodbye."""
 
-    metrics: dict[BytesWithPublicKey, PeerMetrics | None]
+    peer_metrics: dict[BytesWithPublicKey, PeerMetrics | None]
 
 
 class RunDirectorySchema(pydantic.BaseModel):

@@ -280,6 +280,9 @@ class Optimizer(torch.optim.Optimizer):
         # torch.amp's GradScaler looks at this: with reused buffers it must not unscale
         # the accumulated gradients at every local step (see GradScaler)
         self._step_supports_amp_scaling = reuse_grad_buffers
+        # ... and without them, its scaler.step(opt) unscales every step (as torch's does;
+        # it used to only check, and the accumulators summed scaled gradients)
+        self._unscale_every_step = not reuse_grad_buffers
         try:
             self.epochs.start_metrics(dht, metrics, self._collect_metrics)
         except BaseException:
@@ -337,6 +340,9 @@ class Optimizer(torch.optim.Optimizer):
         self.state_averager = make_state_averager(
             **common,
             offload_optimizer=self.offload_optimizer,
+            # with local updates nothing averages into the offloaded .grad: each step
+            # copies the model's gradients there
+            custom_gradients=self.offload_optimizer and not use_local_updates,
             delta_rule_averaging=use_local_updates and self.delay_state_averaging,
             status_loglevel=self.status_loglevel,
             averager_opts=state_opts,
@@ -533,16 +539,14 @@ class Optimizer(torch.optim.Optimizer):
             self.rounds.maybe_schedule()
             self._maybe_schedule_state_averaging()
         elif not self.auxiliary:
-            if grad_scaler is not None:
-                with grad_scaler.running_global_step():
-                    grad_scaler.unscale_(self)
+            # the scaler's part is done here, not in the step: a delayed step runs after
+            # the user's scaler.update(), which must find these gradients unscaled
+            finite = grad_scaler is None or grad_scaler.unscale_for_step(self)
             samples = self.tracker.local_progress.samples_accumulated + batch_size
             self.tracker.report_local_progress(self.local_epoch, samples)
             self._maybe_schedule_state_averaging()
             self.state_averager.step(
-                optimizer_step=True,
-                delay_optimizer_step=self.delay_optimizer_step,
-                grad_scaler=grad_scaler,
+                optimizer_step=finite, delay_optimizer_step=self.delay_optimizer_step
             )
 
         if self.tracker.ready_to_update_epoch:
@@ -582,7 +586,15 @@ class Optimizer(torch.optim.Optimizer):
             self.tracker.report_local_progress(self.local_epoch, 0)
             self.grad_averager.reset_accumulated_grads_()
             return False
-        self.grad_averager.accumulate_grads_(batch_size)
+        if grad_scaler is not None and not self.grad_averager.reuse_grad_buffers:
+            # separate accumulators take each batch's gradient unscaled by the scale it was
+            # computed with (hivemind unscales only the .grad buffers at the epoch's step,
+            # which left these accumulators scaled: the update was `scale` times too big)
+            self.grad_averager.accumulate_grads_(
+                batch_size, grad_scale=float(grad_scaler.get_scale())
+            )
+        else:  # (a grad_averager_factory's class may take batch_size alone, as hivemind's)
+            self.grad_averager.accumulate_grads_(batch_size)
         self.tracker.report_local_progress(
             self.local_epoch, self.grad_averager.local_samples_accumulated
         )

@@ -120,6 +120,7 @@ def make_state_averager(
     params: Any,
     scheduler: Any,
     offload_optimizer: bool,
+    custom_gradients: bool,
     delta_rule_averaging: bool,
     state_averaging_compression: CompressionBase,
     load_state_compression: CompressionBase,
@@ -135,7 +136,9 @@ def make_state_averager(
     auxiliary: bool,
     averager_opts: dict,
 ) -> TrainingStateAverager:
-    """The averager of parameters and optimizer state (it owns the optimizer)."""
+    """The averager of parameters and optimizer state (it owns the optimizer).
+    ``custom_gradients``: the gradient averager fills the offloaded copy's ``.grad``
+    (gradient averaging); without it (local updates) each step copies the model's."""
     return TrainingStateAverager(
         dht=dht,
         prefix=f"{run_id}_state_averager",
@@ -143,7 +146,7 @@ def make_state_averager(
         params=params,
         scheduler=scheduler,
         offload_optimizer=offload_optimizer,
-        custom_gradients=offload_optimizer,
+        custom_gradients=custom_gradients,
         delta_rule_averaging=delta_rule_averaging,
         compression=state_averaging_compression,
         state_compression=load_state_compression,

@@ -22,6 +22,13 @@ epoch changes, when the others' extrapolation of its last record (samples plus r
 age) would be off by more than ``report_tolerance`` of the target, and at least every
 ``metadata_expiration / 2`` seconds; a peer at a steady pace says little more than
 "epoch e began, I do r samples/s".
+
+A record's ``time`` is when its samples were counted (the others extrapolate from it);
+its DHT expiration is ``metadata_expiration`` after it was *stored*. So the periodic
+keepalive of an unchanged record renews its life without making its samples look fresh,
+and a peer that reports nothing (a keeper, an idle peer) stays counted while it runs, as
+hivemind's reporter does (it stores each report to expire ``metadata_expiration`` after
+the store).
 """
 
 from __future__ import annotations
@@ -510,7 +517,10 @@ class ProgressTracker:
                     await node.store(
                         self.training_progress_key,
                         progress.model_dump(),
-                        expiration_time=progress.time + self.metadata_expiration,
+                        # the record's `time` is when its samples were counted (others
+                        # extrapolate from it); its life runs from now: a keepalive of an
+                        # unchanged record renews it, so a peer that never steps stays
+                        expiration_time=get_dht_time() + self.metadata_expiration,
                         subkey=self._local_public_key,
                     )
             except (Exception, TimeoutError) as e:

@@ -5,8 +5,9 @@ What it owns:
 
 * **The optimizer** (created from a factory over ``params``, or given). With
   ``offload_optimizer`` the optimizer works on a CPU master copy of the parameters, whose
-  ``.grad`` buffers can receive averaged gradients directly (``custom_gradients``); the
-  model's parameters are refreshed from it after each update.
+  ``.grad`` buffers can receive averaged gradients directly (``custom_gradients``) or,
+  without custom gradients, take the model's own gradients at each optimizer step (local
+  updates); the model's parameters are refreshed from it after each update.
 * **The scheduler**, kept at ``local_epoch`` steps: it steps once per global epoch,
   and a peer that downloads a later epoch fast-forwards it.
 * **Averaging** of the parameters, the optimizer statistics named in
@@ -415,6 +416,9 @@ class TrainingStateAverager(DecentralizedAverager):
             self._wait_for_pending()
         if apply_delayed_updates:
             self._apply_pending_if_done()
+        if optimizer_step and self.offload_optimizer and not self.custom_gradients:
+            # now, not in the background: the next backward pass overwrites the model's .grad
+            self._load_local_grads_into_optimizer()
         if increment_epoch:
             self.local_epoch += 1
             self._update_scheduler()
@@ -465,6 +469,20 @@ class TrainingStateAverager(DecentralizedAverager):
 
         with self._pending_lock:
             self._pending = self._executor.submit(work)
+
+    def _load_local_grads_into_optimizer(self) -> None:
+        """Offloaded without custom gradients: the optimizer's master copy takes the
+        model's own gradients (a parameter without one is skipped by the step)."""
+        with self._state_lock, torch.no_grad():
+            for main, master in zip(
+                self.main_parameters, optimizer_parameters(self.optimizer), strict=True
+            ):
+                if main.grad is None:
+                    master.grad = None
+                elif master.grad is None or master.grad.shape != main.grad.shape:
+                    master.grad = main.grad.to(master.device, copy=True)
+                else:
+                    master.grad.copy_(main.grad, non_blocking=False)
 
     def _optimizer_step(self, grad_scaler: Any) -> None:
         with self._state_lock:

@@ -152,13 +152,27 @@ def test_model_split_across_devices_exits_with_usage_code(tmp_path):
         (["--clip-grad-norm", "-1"], "--clip-grad-norm must be a finite number > 0"),
         (["--keep-checkpoints", "0"], "--keep-checkpoints must be a positive int"),
         (["--delay", "--no-offload"], "cannot go with --no-offload"),
-        (["--mode", "local", "--delay"], "--delay is not supported with --mode local"),
-        (["--precision", "fp16", "--clip-grad-norm", "1"], "not supported with --precision fp16"),
     ],
 )
 def test_options_that_cannot_work_together_are_refused_by_name(tmp_path, argv, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("-", r"\-")):
         settings_for(tmp_path / "m.py", *argv)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mode", "local", "--offload"],
+        ["--mode", "local", "--delay"],
+        ["--precision", "fp16", "--clip-grad-norm", "1"],
+    ],
+)
+def test_options_the_optimizer_now_supports_are_accepted(tmp_path, argv):
+    """Once refused as workarounds: local steps on an offloaded copy (which nothing
+    filled) and fp16 with clipping in sync mode (which needed the gradients accumulated
+    in .grad, where a step's own gradient is not kept apart)."""
+    s = settings_for(tmp_path / "m.py", *argv)
+    assert s["offload"] is True or "--clip-grad-norm" in argv
 
 
 def test_config_file_takes_the_new_options(tmp_path):
@@ -215,7 +229,9 @@ def mean_loss(module_path: Path, state: dict | None) -> float:
         ["--precision", "bf16", "--grad-accumulation", "2", "--clip-grad-norm", "1.0"],
         ["--mode", "sync", "--powersgd-rank", "2", "--grad-compression", "fp16", "--no-offload"],
         ["--mode", "local", "--precision", "fp16"],
+        ["--mode", "local", "--delay", "--precision", "fp16"],
         ["--mode", "sync", "--delay", "--precision", "fp16"],
+        ["--mode", "sync", "--precision", "fp16", "--clip-grad-norm", "1.0"],
         [
             "--mode",
             "streaming",
@@ -227,7 +243,15 @@ def mean_loss(module_path: Path, state: dict | None) -> float:
             "8bit",
         ],
     ],
-    ids=["bf16-accumulation-clip", "powersgd", "local-fp16", "delay-fp16", "streaming-8bit"],
+    ids=[
+        "bf16-accumulation-clip",
+        "powersgd",
+        "local-fp16",
+        "local-delay-fp16",
+        "delay-fp16",
+        "fp16-clip",
+        "streaming-8bit",
+    ],
 )
 def test_one_peer_trains_in_each_mode_and_its_checkpoint_loads(tmp_path, argv):
     path = write(tmp_path)

@@ -71,7 +71,8 @@ def local_step(model: torch.nn.Module, generator: torch.Generator, size: int = 8
 
 class Trainer(threading.Thread):
     """Trains ``model`` with ``opt`` in a thread until ``until_epoch`` (or stopped),
-    recording the parameters it had when each epoch began."""
+    recording the parameters it had when each epoch began. With ``grad_scaler`` (a
+    swarmgrad GradScaler) the loss is scaled and the scaler handed to ``opt.step``."""
 
     def __init__(
         self,
@@ -85,12 +86,14 @@ class Trainer(threading.Thread):
         batch_size: int = 8,
         on_step: Callable[[Trainer], None] | None = None,
         zero_grad: bool = True,
+        grad_scaler: Any = None,
     ):
         super().__init__(daemon=True)
         self.opt, self.model, self.until_epoch, self.pause = opt, model, until_epoch, pause
         self.generator = torch.Generator().manual_seed(seed)
         self.deadline = time.monotonic() + deadline
         self.batch_size, self.on_step, self.zero_grad = batch_size, on_step, zero_grad
+        self.grad_scaler = grad_scaler
         self.params_at_epoch: dict[int, list[torch.Tensor]] = {}
         self.losses: list[float] = []
         self.batches: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (epoch, x, y)
@@ -107,10 +110,15 @@ class Trainer(threading.Thread):
                     self.params_at_epoch[epoch] = snapshot(self.model)
                 x, y = batch(self.generator, self.batch_size)
                 loss = torch.nn.functional.mse_loss(self.model(x), y)
-                loss.backward()
                 self.losses.append(float(loss.detach()))
                 self.batches.append((epoch, x, y))
-                self.opt.step(batch_size=self.batch_size)
+                if self.grad_scaler is None:
+                    loss.backward()
+                    self.opt.step(batch_size=self.batch_size)
+                else:
+                    self.grad_scaler.scale(loss).backward()
+                    self.opt.step(batch_size=self.batch_size, grad_scaler=self.grad_scaler)
+                    self.grad_scaler.update()
                 if self.zero_grad:
                     self.opt.zero_grad()
                 if self.on_step is not None:

@@ -28,6 +28,7 @@ from swarmgrad.optim.metrics import (
     MetricsSchema,
     PeerMetrics,
     merge_offenders,
+    metrics_key,
 )
 
 prometheus_parser = pytest.importorskip(
@@ -65,7 +66,8 @@ def test_schema_accepts_a_record_and_refuses_nan_negative_and_oversized_lists():
     good = _metrics(identity, 100.0, loss=1.5, rounds_ok=3, experts=["e.0"], num_experts=1)
 
     def accepted(value) -> bool:
-        record = DHTRecord(serialize("run_metrics"), serialize(subkey), serialize(value), 1e12)
+        key = serialize(metrics_key("run"))  # "run_peer_metrics": the schema's field
+        record = DHTRecord(key, serialize(subkey), serialize(value), 1e12)
         return validator.validate(record)
 
     assert accepted(good)

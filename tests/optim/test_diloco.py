@@ -771,3 +771,34 @@ def test_progress_is_read_from_two_replicas_unless_tracker_opts_say_otherwise():
                 assert opt.tracker.read_quorum == expected
             finally:
                 opt.shutdown()
+
+
+def test_a_grad_scaler_stepping_the_inner_optimizer_unscales_every_step():
+    """scaler.step(opt) with swarmgrad's GradScaler at 2**16: every inner step is a real
+    step, so it unscales at once, and the run ends where the same run without scaling
+    does. (The scaler only looked for overflow between the Optimizer's epochs: the inner
+    steps took gradients 2**16 times too large.)"""
+    results = []
+    with dht_swarm(1) as (dht,):
+        for use_scaler in (False, True):
+            model = make_model(seed=1)
+            opt = make_diloco(dht, model, run_id=f"amp{use_scaler}", num_inner_steps=3)
+            scaler = swarmgrad.GradScaler("cpu", init_scale=2.0**16) if use_scaler else None
+            try:
+                generator = torch.Generator().manual_seed(0)
+                while opt.local_epoch < 2:
+                    x = torch.randn(8, 8, generator=generator)
+                    loss = torch.nn.functional.mse_loss(model(x), x[:, :2])
+                    if scaler is None:
+                        loss.backward()
+                        opt.step()
+                    else:
+                        scaler.scale(loss).backward()
+                        scaler.step(opt)
+                        scaler.update()
+                    opt.zero_grad()
+                results.append(snapshot(model))
+            finally:
+                opt.shutdown()
+    assert max_difference(results[0], snapshot(make_model(seed=1))) > 1e-3
+    assert max_difference(results[0], results[1]) < 1e-5

@@ -97,6 +97,40 @@ def test_steps_of_different_batch_sizes_accumulate_to_the_sample_weighted_mean(m
     )
 
 
+def test_gradients_of_scaled_losses_are_unscaled_as_they_are_accumulated(make_averager):
+    """grad_scale: each step's loss was multiplied by a (possibly different) scale; the
+    accumulators hold the true gradients, so the mean is the unscaled run's."""
+    model = make_model()
+    averager = make_averager(model.parameters())
+    generator = torch.Generator().manual_seed(3)
+    batches = [make_batch(generator, size) for size in (3, 5)]
+    for batch, scale in zip(batches, (2.0**16, 2.0**10), strict=True):
+        x, y = batch
+        (torch.nn.functional.mse_loss(model(x), y) * scale).backward()
+        averager.accumulate_grads_(batch_size=len(x), grad_scale=scale)
+        model.zero_grad()
+    averager.load_accumulators_into_averager_()
+    assert_close(averaged(averager), mean_gradient(model, batches), atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [0, -1.0, float("inf"), float("nan"), "2"])
+def test_a_grad_scale_that_is_not_a_positive_finite_number_is_refused(make_averager, scale):
+    model = make_model()
+    averager = make_averager(model.parameters())
+    backward(model, make_batch(torch.Generator().manual_seed(0), 2))
+    with pytest.raises(ValidationError, match="grad_scale"):
+        averager.accumulate_grads_(batch_size=2, grad_scale=scale)
+
+
+def test_a_grad_scale_with_reused_grad_buffers_is_refused(make_averager):
+    model = make_model()
+    averager = make_averager(model.parameters(), reuse_grad_buffers=True)
+    backward(model, make_batch(torch.Generator().manual_seed(0), 2))
+    with pytest.raises(ValidationError, match="reuse_grad_buffers"):
+        averager.accumulate_grads_(batch_size=2, grad_scale=1024.0)
+    averager.accumulate_grads_(batch_size=2, grad_scale=1.0)  # no scaling: fine
+
+
 def test_reused_grad_buffers_hold_the_sum_and_are_divided_by_the_number_of_steps(make_averager):
     model = make_model()
     averager = make_averager(model.parameters(), reuse_grad_buffers=True)

@@ -191,3 +191,25 @@ def test_local_steps_then_a_global_step_grow_the_scale_only_at_the_end(scaler):
         scaler.step(optimizer)
     assert scaler.update() is True
     assert scaler.get_scale() == 2 * INIT_SCALE
+
+
+def test_unscale_for_step_unscales_once_says_finite_and_lets_update_change_the_scale(scaler):
+    """A step its owner takes later (a delayed local update): the gradients are unscaled
+    now, the user's update() may follow before the step and the next step's unscale
+    works again."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaled_backward(scaler, model)
+    scaled = grads(model)
+    assert scaler.unscale_for_step(optimizer) is True
+    for got, want in zip(grads(model), scaled, strict=True):
+        assert torch.allclose(got, want / INIT_SCALE)
+    assert scaler.update() is True
+    assert scaler.get_scale() == 2 * INIT_SCALE  # growth_interval=1
+
+    model.zero_grad()
+    scaled_backward(scaler, model, seed=2)
+    model.weight.grad[0, 0] = math.inf
+    assert scaler.unscale_for_step(optimizer) is False  # the owner skips its step
+    assert scaler.update() is True
+    assert scaler.get_scale() == INIT_SCALE

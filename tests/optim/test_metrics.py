@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
+import pydantic
 import pytest
 import torch
 
 from swarmgrad.dht import DHT
+from swarmgrad.dht.crypto import Ed25519SignatureValidator
+from swarmgrad.dht.schema import BytesWithPublicKey, SchemaValidator
 from swarmgrad.optim import Optimizer
 from swarmgrad.optim.metrics import MetricsPublisher, PeerMetrics, metrics_key
 from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.timeutils import get_dht_time
 from tests.helpers.optim import make_model, make_optimizer, wait_until
 
 
@@ -153,3 +158,70 @@ def test_an_averagers_step_that_finds_nobody_counts_as_a_failed_round(dht):
         assert (averager.rounds_succeeded, averager.rounds_failed) == (0, 1)
     finally:
         averager.shutdown()
+
+
+class _AlbertLocalMetrics(pydantic.BaseModel):
+    """hivemind's ALBERT example's per-peer record (its ``utils.py``), which it keeps
+    under ``f"{run_id}_metrics"``."""
+
+    step: pydantic.StrictInt
+    samples_per_second: pydantic.StrictFloat
+    samples_accumulated: pydantic.StrictInt
+    loss: pydantic.StrictFloat
+    mini_steps: pydantic.StrictInt
+
+
+class _AlbertMetricSchema(pydantic.BaseModel):
+    metrics: dict[BytesWithPublicKey, _AlbertLocalMetrics]
+
+
+class _Warnings(logging.Handler):
+    """Collects swarmgrad's warnings on its own logger (caplog's root handler misses them
+    once a CLI test in the same session stopped swarmgrad's records propagating)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_our_records_do_not_clash_with_the_albert_examples_metrics_key():
+    """A peer of hivemind's ALBERT example validates ``{run_id}_metrics`` with its own
+    schema. Our records live under another key: a trainer next to it stores its record
+    without being refused, and the example's own record under its key is unaffected.
+    (Both used the same key: every store of ours was refused there, with a warning.)"""
+    run_id = "albert"
+    albert = DHT(start=True)  # its validators as the example adds them: signatures, schema
+    albert_signer = Ed25519SignatureValidator(albert.peer.identity)
+    albert.add_validators([albert_signer, SchemaValidator(_AlbertMetricSchema, prefix=run_id)])
+    ours = DHT(initial_peers=[str(a) for a in albert.get_visible_maddrs()], start=True)
+    publisher = MetricsPublisher(ours, run_id, lambda: {"epoch": 2}, period=0.2, start=False)
+    warnings, swarmgrad_logger = _Warnings(), logging.getLogger("swarmgrad")
+    swarmgrad_logger.addHandler(warnings)
+    try:
+        publisher.start()
+        wait_until(lambda: publisher.published >= 2, 30, "two records")
+
+        def stored_on_albert() -> bool:
+            found = albert.get(metrics_key(run_id), latest=True)
+            return found is not None and any(
+                e.value is not None and e.value.get("epoch") == 2 for e in found.value.values()
+            )
+
+        wait_until(stored_on_albert, 30, "our record on the ALBERT example's peer")
+        assert not [m for m in warnings.messages if "refused to store" in m]
+
+        theirs = {"step": 1, "samples_per_second": 2.0, "samples_accumulated": 3, "loss": 4.0,
+                  "mini_steps": 1}  # fmt: skip
+        mine = albert_signer.local_public_key
+        assert albert.store(f"{run_id}_metrics", theirs, get_dht_time() + 60, subkey=mine)
+        found = albert.get(f"{run_id}_metrics", latest=True)
+        assert found.value[mine].value == theirs
+        assert metrics_key(run_id) == "albert_peer_metrics"
+    finally:
+        swarmgrad_logger.removeHandler(warnings)
+        publisher.shutdown()
+        ours.shutdown()
+        albert.shutdown()

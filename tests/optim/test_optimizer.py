@@ -53,18 +53,27 @@ def test_two_peers_average_gradients_and_stay_identical():
             shutdown_all(*opts)
 
 
-def test_averaged_update_equals_large_batch_sgd():
+@pytest.mark.parametrize("scales", [None, (2.0**16, 2.0**8)], ids=["unscaled", "grad_scalers"])
+def test_averaged_update_equals_large_batch_sgd(scales):
     """The first epoch of two peers with different data equals one SGD step on the mean
     gradient of all the samples they computed in it (synchronous mode is large-batch
-    training)."""
+    training). Also when each peer scales its loss with a GradScaler of its own scale
+    (default accumulators): each averages true gradients."""
+    from swarmgrad.optim import GradScaler
+
     with dht_swarm(2) as dhts:
         models = [make_model(0), make_model(0)]
         opts = [
             make_optimizer(d, m, target_batch_size=48) for d, m in zip(dhts, models, strict=True)
         ]
         try:
+            scalers = (
+                [None, None]
+                if scales is None
+                else [GradScaler("cpu", init_scale=s) for s in scales]
+            )
             trainers = [
-                Trainer(o, m, seed=i, until_epoch=1, pause=0.05)
+                Trainer(o, m, seed=i, until_epoch=1, pause=0.05, grad_scaler=scalers[i])
                 for i, (o, m) in enumerate(zip(opts, models, strict=True))
             ]
             start_together(trainers)
@@ -683,6 +692,98 @@ def test_grad_scaler_with_reused_buffers_unscales_once_per_epoch(one_dht):
             opt.shutdown()
     assert max_difference(results[0], snapshot(make_model(0))) > 1e-4
     assert max_difference(results[0], results[1]) < 1e-5
+
+
+def _train_alone(opt, model, until_epoch, scaler=None, seed=0, scaler_steps=False):
+    """Lone-peer training loop on the helpers' data; with ``scaler``: hivemind's documented
+    usage, ``scaler.scale(loss).backward(); opt.step(grad_scaler=scaler)``, or with
+    ``scaler_steps`` torch's, ``scaler.step(opt)``."""
+    from tests.helpers.optim import batch
+
+    generator = torch.Generator().manual_seed(seed)
+    while opt.local_epoch < until_epoch:
+        x, y = batch(generator)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            if scaler_steps:
+                scaler.step(opt)
+            else:
+                opt.step(grad_scaler=scaler)
+            scaler.update()
+        opt.zero_grad()
+    return snapshot(model)
+
+
+@pytest.mark.parametrize("scaler_steps", [False, True])
+@pytest.mark.parametrize("offload", [False, True])
+def test_grad_scaler_with_separate_accumulators_gives_the_unscaled_run(
+    one_dht, offload, scaler_steps
+):
+    """reuse_grad_buffers=False (the default) with a GradScaler at a large scale, through
+    opt.step(grad_scaler=scaler) or scaler.step(opt): each epoch's update is the one of
+    the same run without loss scaling. (The accumulated gradients used to reach the
+    optimizer still multiplied by the scale: SGD at 2**16 times its step diverged.)"""
+    from swarmgrad.optim import GradScaler
+
+    results = []
+    for use_scaler in (False, True):
+        model = make_model(0)
+        opt = make_optimizer(
+            one_dht,
+            model,
+            run_id=f"amp_sep{use_scaler}{offload}{scaler_steps}",
+            target_batch_size=32,
+            offload_optimizer=offload,
+        )
+        scaler = GradScaler("cpu", init_scale=2.0**16) if use_scaler else None
+        try:
+            results.append(
+                _train_alone(opt, model, until_epoch=3, scaler=scaler, scaler_steps=scaler_steps)
+            )
+        finally:
+            opt.shutdown()
+        if scaler is not None:
+            assert scaler.get_scale() >= 2.0**16  # no overflow seen, so no shrinking
+    assert max_difference(results[0], snapshot(make_model(0))) > 1e-3  # it trained
+    assert max_difference(results[0], results[1]) < 1e-5
+
+
+@pytest.mark.parametrize(("delay", "use_scaler"), [(False, False), (False, True), (True, False)])
+def test_local_updates_with_an_offloaded_optimizer_move_the_model(one_dht, delay, use_scaler):
+    """use_local_updates with offload_optimizer: every step updates the model, as without
+    offload (the offloaded copy's .grad used to stay empty: the model never changed).
+    A delayed step applies one step later, so it only has to move the model."""
+    from swarmgrad.optim import GradScaler
+
+    results = {}
+    for offload in (False, True):
+        model = make_model(0)
+        opt = make_optimizer(
+            one_dht,
+            model,
+            run_id=f"local_off{offload}{delay}{use_scaler}",
+            target_batch_size=32,
+            use_local_updates=True,
+            offload_optimizer=offload,
+            delay_optimizer_step=delay and offload,
+        )
+        scaler = GradScaler("cpu", init_scale=2.0**16) if use_scaler and offload else None
+        try:
+            assert opt.offload_optimizer == offload
+            local_step(model, torch.Generator().manual_seed(0))
+            opt.step()
+            opt.zero_grad()
+            opt.state_averager.step(wait_for_delayed_updates=True)  # a delayed one, applied
+            assert max_difference(snapshot(model), snapshot(make_model(0))) > 1e-4
+            results[offload] = _train_alone(opt, model, until_epoch=2, scaler=scaler, seed=1)
+        finally:
+            opt.shutdown()
+    if not delay:
+        assert max_difference(results[False], results[True]) < 1e-5
 
 
 @pytest.mark.parametrize("same_start", [True, False])

@@ -320,6 +320,37 @@ def test_a_steady_peer_publishes_rarely_a_change_of_pace_and_a_new_epoch_at_once
                 t.shutdown(timeout=5)
 
 
+def test_a_peer_that_never_steps_stays_counted_past_metadata_expiration():
+    """A peer that reports nothing after it starts (a keeper, an idle peer) is still
+    alive: its keepalive renews its record's expiration every metadata_expiration / 2.
+    The record's ``time`` stays the time its samples were counted (the others
+    extrapolate from it), so renewing it does not make its samples look fresh. (The
+    keepalive used to re-store the record with its original expiration, and the peer
+    dropped out of the swarm after metadata_expiration.)"""
+    expiration = 2.0
+    with dht_swarm(2) as dhts:
+        idle = ProgressTracker(
+            dhts[0], RUN, target_batch_size=100, metadata_expiration=expiration, start=True
+        )
+        observer = ProgressTracker(dhts[1], RUN, target_batch_size=100, start=True)
+        idle_key = idle._local_public_key
+        try:
+            idle.report_local_progress(0, 7)
+            wait_until(lambda: read(observer, idle_key) == (0, 7), 20, "the idle peer's record")
+            counted_at = observer._last_records[idle_key].time
+            began = time.monotonic()
+            while time.monotonic() - began < 3 * expiration:
+                assert read(observer, idle_key) == (0, 7), "the idle peer dropped out"
+                assert observer.global_progress.num_peers == 2
+                time.sleep(0.25)
+            assert observer._last_records[idle_key].time == counted_at
+            stored = dhts[1].get(f"{RUN}_progress", latest=True).value[idle_key]
+            assert stored.expiration_time > counted_at + expiration  # renewed since
+        finally:
+            observer.shutdown(timeout=5)
+            idle.shutdown(timeout=5)
+
+
 def capture_signed_stores(dht: DHT, key: str) -> list[tuple[dict, StoreItem]]:
     """Every signed item ``dht`` sends under ``key`` (with the value it signed): what an
     eavesdropper on the wire, or a replica, sees and could store again later."""
