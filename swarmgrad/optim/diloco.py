@@ -70,7 +70,6 @@ from swarmgrad.optim.diloco_setup import (
     make_inner_optimizer,
     make_scheduler,
 )
-from swarmgrad.optim.epoch_machinery import EpochMachinery
 from swarmgrad.optim.fragment_schedule import (
     FragmentSchedule,
     fragment_send_rate,
@@ -235,17 +234,7 @@ class DiLoCoOptimizer(Optimizer):
                 **without_bans(averager_opts),  # the fragments' averagers ban
             )
             self._make_fragments(num_fragments, averager_opts)
-            self.epochs = EpochMachinery(
-                run_id=run_id,
-                tracker=self.tracker,
-                state_averager=self.state_averager,
-                client_mode=self.client_mode,
-                matchmaking_time=self.matchmaking_time,
-                averaging_timeout=self.averaging_timeout,
-                load_state_timeout=self.load_state_timeout,
-                catch_up_without_state=False,
-                status_loglevel=self.status_loglevel,
-            )
+            self.epochs = self._make_epoch_machinery(catch_up_without_state=False)
             self.epochs.start_metrics(dht, metrics, self._collect_metrics)
         except BaseException:
             self._shutdown_parts()

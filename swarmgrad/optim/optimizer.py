@@ -294,17 +294,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _make_machinery(self) -> None:
         """The epoch machinery and, with a gradient averager, the gradient rounds."""
-        self.epochs = EpochMachinery(
-            run_id=self.run_id,
-            tracker=self.tracker,
-            state_averager=self.state_averager,
-            client_mode=self.client_mode,
-            matchmaking_time=self.matchmaking_time,
-            averaging_timeout=self.averaging_timeout,
-            load_state_timeout=self.load_state_timeout,
-            catch_up_without_state=True,
-            status_loglevel=self.status_loglevel,
-        )
+        self.epochs = self._make_epoch_machinery(catch_up_without_state=True)
         self.rounds: GradientRounds | None = None
         if self.grad_averager is not None:
             self.rounds = GradientRounds(
@@ -767,6 +757,23 @@ class Optimizer(torch.optim.Optimizer):
                 self._shutdown_when_collected()
             except Exception:  # interpreter shutdown: nothing left to talk to
                 pass
+
+    def _make_epoch_machinery(self, *, catch_up_without_state: bool) -> EpochMachinery:
+        """The epoch machinery over this optimizer's tracker and state averager. Only the
+        catch-up rule differs between the optimizers: a plain Optimizer that downloaded a
+        state one epoch old jumps to the swarm's epoch, DiLoCo loads again (its synced
+        copy must equal every other peer's)."""
+        return EpochMachinery(
+            run_id=self.run_id,
+            tracker=self.tracker,
+            state_averager=self.state_averager,
+            client_mode=self.client_mode,
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+            load_state_timeout=self.load_state_timeout,
+            catch_up_without_state=catch_up_without_state,
+            status_loglevel=self.status_loglevel,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(run_id={self.run_id!r}, epoch={self.local_epoch})"
