@@ -653,7 +653,7 @@ class Optimizer(torch.optim.Optimizer):
                 averaging_round=average_state,
                 delay_averaging=self.delay_state_averaging and not self.auxiliary,
                 averaging_control=state_control,
-                averaging_opts={"timeout": self.averaging_timeout} if average_state else None,
+                averaging_opts=self._state_round_options() if average_state else None,
             )
             if self.scheduled_state is not None and self.scheduled_state is not state_control:
                 release(self.scheduled_state, self.averaging_timeout, self.run_id)
@@ -668,6 +668,13 @@ class Optimizer(torch.optim.Optimizer):
             # our update used our own gradients while the swarm used its average: take
             # the swarm's state now, before the next batch is computed on ours
             self.load_state_from_peers()
+
+    def _state_round_options(self) -> dict[str, float]:
+        """A state round looks for its group for ``matchmaking_time`` (past its scheduled
+        time), not for the whole ``averaging_timeout``: peers busy in another round would
+        otherwise hold this peer's next epoch back until they alternate for good (see
+        ``TrainingStateAverager``'s ``search_timeout``)."""
+        return {"timeout": self.averaging_timeout, "search_timeout": self.matchmaking_time}
 
     def _maybe_schedule_state_averaging(self) -> None:
         """Likewise for the state round of the coming epoch, if it averages the state."""

@@ -32,13 +32,14 @@ import contextlib
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from swarmgrad.averaging.averager import DecentralizedAverager
-from swarmgrad.averaging.step_control import StepControl
+from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.dht.dht import DHT
 from swarmgrad.optim.optimizer_state import (
     dump_optimizer_state,
@@ -57,6 +58,8 @@ LRSchedulerBase = torch.optim.lr_scheduler.LRScheduler
 __all__ = ["LRSchedulerBase", "TrainingStateAverager"]
 
 logger = logging.getLogger(__name__)
+
+_GROUP_POLL_SECONDS = 0.05  # how often a bounded state round looks whether it has a group
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -400,7 +403,9 @@ class TrainingStateAverager(DecentralizedAverager):
         round, now or (``delay_optimizer_step`` / ``delay_averaging``) in the background
         thread; ``wait_for_trigger`` runs first there (e.g. waiting for averaged
         gradients). Errors of background work are logged and the update skipped; the
-        peer carries on with its state as it was."""
+        peer carries on with its state as it was. ``averaging_opts``: ``timeout`` (the
+        whole round), ``gather``, and ``search_timeout``: give the round up if it has no
+        group that long past its scheduled time."""
         if delay_averaging is None:
             delay_averaging = delay_optimizer_step
         if wait_for_delayed_updates is None:
@@ -514,6 +519,13 @@ class TrainingStateAverager(DecentralizedAverager):
                 )
             self._round_control = control
             control.allow_allreduce()
+            search_timeout = options.get("search_timeout")
+            if search_timeout is not None and not _grouped_within(control, search_timeout):
+                logger.log(
+                    self.status_loglevel,
+                    "state averaging found no group within %.1f s: skipped", search_timeout,
+                )  # fmt: skip
+                return None
             gathered = control.result(timeout)
         except (Exception, concurrent.futures.CancelledError) as e:
             logger.log(self.status_loglevel, "state averaging failed: %r", e)
@@ -594,6 +606,26 @@ class TrainingStateAverager(DecentralizedAverager):
                 pending.result(self.shutdown_timeout)
         self._executor.shutdown(wait=False, cancel_futures=True)
         super().shutdown()
+
+
+def _grouped_within(control: StepControl, search_timeout: float) -> bool:
+    """Wait until the released round ``control`` has a group (or ended), at most
+    ``search_timeout`` seconds past its scheduled time; cancel it if it is still looking
+    then (False). A state round is a correction, not a necessity: a peer whose partners
+    are busy elsewhere (in their gradient round, say) must not block its own epoch for the
+    whole averaging timeout, or two peers can settle into alternating rounds that never
+    meet."""
+    deadline = time.monotonic() + max(0.0, control.scheduled_time - get_dht_time())
+    deadline += search_timeout
+    while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+        if control.done():
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return not control.cancel_if_ungrouped()
+        with contextlib.suppress(concurrent.futures.TimeoutError, TimeoutError):
+            control.result(min(remaining, _GROUP_POLL_SECONDS))
+    return True
 
 
 @contextlib.contextmanager

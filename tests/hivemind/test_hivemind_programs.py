@@ -173,6 +173,8 @@ def test_two_trainers_and_the_monitor_reach_global_epoch_3(tmp_path):
             trainer.wait_for(re.compile("averaged gradients with 2 peers"), 60)
     finally:
         codes = [program.stop() for program in (*trainers, monitor)]
+        for program in (*trainers, monitor):  # whole logs, for a failure's post-mortem
+            (tmp_path / f"{program.name.replace(' ', '_')}.log").write_text(program.output())
     log = monitor.output()
     assert "Traceback" not in log, log
     for trainer in trainers:

@@ -3,6 +3,8 @@ progress made while it ran (the delta rule)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -72,6 +74,45 @@ def test_local_step_made_during_a_background_round_is_kept_on_top_of_the_average
             # the step was large enough that losing it (or the average) would show
             assert max(float((LR * g).abs().max()) for g in grads) > 1e-3
             assert first.state_version == second.state_version == 1
+        finally:
+            first.shutdown()
+            second.shutdown()
+
+
+def test_a_state_round_with_nobody_to_meet_gives_up_after_its_search_timeout(caplog):
+    """``search_timeout`` bounds how long a state round looks for a group: alone, the
+    round is given up after it (not after the whole ``timeout``), the state is left as
+    it was and the averager can take the next round at once; a partner that arrives
+    within the search time is averaged with as before. (Without the bound, two peers
+    whose rounds alternate, each in one while the other is in another, wait out every
+    timeout for each other for good: the ALBERT programs' swarm did so on a loaded box.)"""
+    with dht_swarm(2) as dhts:
+        models = [make_model(0), make_model(1)]
+        first, second = (
+            make_state_averager(d, m, offload_optimizer=False)
+            for d, m in zip(dhts, models, strict=True)
+        )
+        try:
+            before = snapshot(models[0])
+            started = time.monotonic()
+            caplog.set_level("DEBUG", logger="swarmgrad.optim.state_averager")
+            first.step(averaging_round=True, averaging_opts={"timeout": 30, "search_timeout": 1})
+            took = time.monotonic() - started
+            assert took < 10, f"a lone state round took {took:.1f} s with search_timeout=1"
+            assert "found no group within 1.0 s" in caplog.text
+            for got, want in zip(snapshot(models[0]), before, strict=True):
+                assert torch.equal(got, want)
+            assert first.state_version == 0
+
+            pairs = zip(snapshot(models[0]), snapshot(models[1]), strict=True)
+            average = [(a + b) / 2 for a, b in pairs]
+            options = {"timeout": 30, "search_timeout": 5}
+            first.step(averaging_round=True, delay_averaging=True, averaging_opts=options)
+            second.step(averaging_round=True, averaging_opts=options)
+            first.step(wait_for_delayed_updates=True)
+            for model in models:
+                for got, want in zip(snapshot(model), average, strict=True):
+                    assert torch.allclose(got, want, atol=1e-6)
         finally:
             first.shutdown()
             second.shutdown()
