@@ -8,6 +8,7 @@ benchmarks/results/albert_epochs.json for benchmarks/hivemind_api.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -41,7 +42,9 @@ class Program:
 
     def __init__(self, name: str, script: str, *args: str):
         self.name = name
+        # faulthandler: a program that hangs is aborted, and prints every thread's stack
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        env["PYTHONFAULTHANDLER"] = "1"
         self.process = subprocess.Popen(
             [sys.executable, script, *args],
             cwd=PROGRAMS,
@@ -79,13 +82,28 @@ class Program:
     def stop(self, timeout: float = 30) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)  # the trainers leave the run cleanly
+            with contextlib.suppress(AssertionError):
+                self.wait_exit(timeout)
+        self._reader.join(5)
+        return self.process.returncode
+
+    def wait_exit(self, timeout: float) -> int:
+        """The exit code; a program still running after ``timeout`` is aborted (its
+        threads' stacks end its output) and the test fails showing them."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGABRT)
             try:
-                self.process.wait(timeout)
+                self.process.wait(10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._reader.join(5)
-        return self.process.returncode
+            self._reader.join(5)
+            raise AssertionError(
+                f"{self.name} did not exit within {timeout} s; its output, ending with its "
+                "threads' stacks:\n" + "\n".join(self.lines[-120:])
+            ) from None
 
     def output(self) -> str:
         return "\n".join(self.lines)
@@ -164,7 +182,7 @@ def test_two_trainers_and_the_monitor_reach_global_epoch_3(tmp_path):
             ]  # fmt: skip
             trainers.append(Program(f"trainer {i}", "run_trainer.py", *trainer_args))
         monitor.wait_for(re.compile("Monitor finished"), 150)
-        assert monitor.process.wait(30) == 0, monitor.output()
+        assert monitor.wait_exit(30) == 0, monitor.output()
         for trainer in trainers:
             trainer.wait_for(re.compile(rf"\] Step #([{TARGET_EPOCH}-9]|\d\d+)$"), 60)
         # the two trainers train together: their gradients are averaged (a trainer that
