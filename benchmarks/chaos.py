@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing it
 MODEL_OPTIONS = ["context=32", "width=48", "layers=2", "heads=4", "corpus_bytes=400000"]
 
 
