@@ -22,9 +22,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.dht.dht import DHT
-from swarmgrad.optim.metrics import MetricsPublisher
+from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
 from swarmgrad.utils.errors import ValidationError
@@ -283,6 +285,17 @@ class EpochMachinery:
     def report_loss(self, loss: Any) -> None:
         if loss is not None and self.metrics is not None:
             self.metrics.report_loss(loss)
+
+    def run_closure(self, closure: Callable[[], Any] | None) -> Any:
+        """``step(closure)``'s first act: call the closure with gradients enabled and
+        report its loss when it is a scalar; the loss, or None without a closure."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            loss = closure()
+        if is_scalar_loss(loss):
+            self.report_loss(loss)
+        return loss
 
     # ------------------------------------------------------------------ leaving
 

@@ -57,7 +57,7 @@ from swarmgrad.optim.epoch_machinery import EpochMachinery
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
 from swarmgrad.optim.gradient_rounds import GradientRounds, release
-from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_fields
+from swarmgrad.optim.metrics import MetricsPublisher, training_fields
 from swarmgrad.optim.optimizer_setup import (
     check_arguments,
     check_modes,
@@ -509,12 +509,7 @@ class Optimizer(torch.optim.Optimizer):
             self.rounds.raise_group_error()
 
         self.state_averager.step(apply_delayed_updates=True)  # a finished background update
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            if is_scalar_loss(loss):
-                self.epochs.report_loss(loss)
+        loss = self.epochs.run_closure(closure)
 
         if not self.auxiliary and self.epochs.should_load_state():
             logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
