@@ -37,8 +37,9 @@ from swarmgrad.dht.dht import DHT
 from swarmgrad.dht.schema import BytesWithPublicKey, SchemaValidator
 from swarmgrad.dht.validation import serialize
 from swarmgrad.net.identity import Identity
+from swarmgrad.optim.peer_record import stop_publishing, withdraw_record
 from swarmgrad.utils.errors import ValidationError
-from swarmgrad.utils.loop_thread import get_loop, run_coroutine_future
+from swarmgrad.utils.loop_thread import run_coroutine_future
 from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = [
@@ -293,28 +294,13 @@ class MetricsPublisher:
         if task is None or self._said_goodbye:
             return
         self._said_goodbye = True
-        stop = self._stop
-        if stop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs
-                get_loop().call_soon_threadsafe(stop.set)
-        with contextlib.suppress(Exception):
-            task.result(timeout)
-        if not task.done():
-            task.cancel()
+        stop_publishing(task, self._stop, timeout)
         if self.dht.node is None:
             return
-        goodbye = self.dht.store(
-            self.key,
-            subkey=self._subkey,
-            value=None,
-            expiration_time=get_dht_time() + self.expiration,
-            return_future=True,
-        )
         try:
-            goodbye.result(timeout)
+            withdraw_record(self.dht, self.key, self._subkey, self.expiration, timeout)
         except Exception as e:
             logger.debug("%s: could not withdraw the metrics record: %r", self.run_id, e)
-            goodbye.cancel()
 
     async def _run(self) -> None:
         stop = self._stop

@@ -47,6 +47,7 @@ from swarmgrad.dht.dht import DHT
 from swarmgrad.dht.schema import SchemaValidator
 from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.net.identity import Identity
+from swarmgrad.optim.peer_record import stop_publishing, withdraw_record
 from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.optim.progress import (
     GlobalTrainingProgress,
@@ -225,27 +226,20 @@ class ProgressTracker:
         if task is None or self._said_goodbye:
             return
         self._said_goodbye = True
-        loop = get_loop()
-        if self._stop is not None:
-            loop.call_soon_threadsafe(self._stop.set)
-        with contextlib.suppress(Exception):
-            task.result(timeout)
-        if not task.done():
-            task.cancel()
+        stop_publishing(task, self._stop, timeout)
         if self.dht.node is None:
             return  # the DHT is gone: the record simply expires
-        goodbye = self.dht.store(
-            self.training_progress_key,
-            subkey=self._local_public_key,
-            value=None,
-            expiration_time=get_dht_time() + self.metadata_expiration,
-            return_future=True,
-        )
+        expiration = self.metadata_expiration
         try:
-            goodbye.result(timeout if timeout is not None else self.metadata_expiration)
+            withdraw_record(
+                self.dht,
+                self.training_progress_key,
+                self._local_public_key,
+                expiration,
+                timeout if timeout is not None else expiration,
+            )
         except Exception as e:
             logger.debug("%s: could not say goodbye: %r", self.prefix, e)
-            goodbye.cancel()
 
     # ------------------------------------------------------------------ reading
 
