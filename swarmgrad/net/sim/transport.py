@@ -14,7 +14,7 @@ import errno
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarmgrad.net.sim.links import DEFAULT_HIGH_WATER, Link, Signal
 from swarmgrad.utils.errors import PeerUnreachable
@@ -486,12 +486,7 @@ class SimTransport(asyncio.Transport):
                         self._rx_offset = offset + nbytes
                     self._rx_size -= nbytes
                     consumed += nbytes
-                    try:
-                        protocol.buffer_updated(nbytes)  # type: ignore[union-attr]
-                    except (SystemExit, KeyboardInterrupt):
-                        raise
-                    except BaseException as exc:
-                        self._fatal_error(exc, "protocol.buffer_updated() call failed")
+                    if not self._hand_over(protocol.buffer_updated, nbytes):  # type: ignore[union-attr]
                         return
                 else:
                     rx.popleft()
@@ -499,18 +494,25 @@ class SimTransport(asyncio.Transport):
                     data = item[offset:] if offset else item
                     self._rx_size -= remaining
                     consumed += remaining
-                    try:
-                        protocol.data_received(data)  # type: ignore[union-attr]
-                    except (SystemExit, KeyboardInterrupt):
-                        raise
-                    except BaseException as exc:
-                        self._fatal_error(exc, "protocol.data_received() call failed")
+                    if not self._hand_over(protocol.data_received, data):  # type: ignore[union-attr]
                         return
         finally:
             if consumed and not self._peer._lost:
                 # the window update travels back to the sender
                 self._link.refresh()
                 self._peer._add_ack(self._loop.time() + self._link.latency, consumed)
+
+    def _hand_over(self, callback: Callable[[Any], None], received: Any) -> bool:
+        """Give ``received`` to the protocol's ``callback``; an error there is fatal to
+        this transport, as in asyncio's (False then)."""
+        try:
+            callback(received)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self._fatal_error(exc, f"protocol.{callback.__name__}() call failed")
+            return False
+        return True
 
     def _on_eof(self) -> None:
         self._network._record("#%s %s->%s eof received", self._id, self._local, self._remote)
