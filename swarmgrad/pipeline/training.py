@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,8 +51,13 @@ class StageTrainingOptions:
     state_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        for option in fields(self):  # every option is a duration
-            positive_seconds(option.name, getattr(self, option.name))
+        for name in (
+            "average_period",
+            "averaging_timeout",
+            "min_matchmaking_time",
+            "state_timeout",
+        ):
+            positive_seconds(name, getattr(self, name))
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> tuple[Any, list[torch.Tensor]]:
