@@ -120,6 +120,14 @@ class EpochMachinery:
         eta = due_time - get_dht_time()
         return eta if eta <= self.matchmaking_time else None
 
+    def round_start(self, scheduled: StepControl | None, eta: float, averager: Any) -> float | None:
+        """When (DHT time) a new round of ``averager``, for what is due in ``eta`` seconds,
+        should begin: in ``eta`` seconds, or the averager's ``min_matchmaking_time`` if
+        longer; None while ``scheduled`` still waits for its group (it is that round)."""
+        if scheduled is not None and not scheduled.triggered and not scheduled.done():
+            return None
+        return get_dht_time() + max(eta, averager._options["min_matchmaking_time"])
+
     # ------------------------------------------------------------------ deciding
 
     def mark_left_behind(self) -> None:

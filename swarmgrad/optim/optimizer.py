@@ -70,7 +70,6 @@ from swarmgrad.optim.progress import LocalTrainingProgress
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
-from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = ["Optimizer"]
 
@@ -678,14 +677,13 @@ class Optimizer(torch.optim.Optimizer):
             + self.delay_before_state_averaging.ema_seconds_per_sample
             + self.state_averager.delay_before_averaging.ema_seconds_per_sample
         )
-        eta = estimated - get_dht_time()
-        if eta > self.matchmaking_time:
+        eta = self.epochs.round_window(estimated)
+        if eta is None:
             return
-        control = self.scheduled_state
-        if control is None or control.triggered or control.done():
-            eta = max(eta, self.state_averager._options["min_matchmaking_time"])
+        start = self.epochs.round_start(self.scheduled_state, eta, self.state_averager)
+        if start is not None:
             self.scheduled_state = self.state_averager.schedule_step(
-                scheduled_time=get_dht_time() + eta,
+                scheduled_time=start,
                 gather=next_epoch,
                 timeout=self.averaging_timeout,
             )
