@@ -439,14 +439,9 @@ class DecentralizedAverager:
         tensors)``, or None if nobody could provide it within ``timeout``. The state is
         returned, not applied. ``wait=False`` returns a future."""
         core = self._running()
-        future = run_coroutine_future(core.load_state_from_peers(timeout))
         if not wait:
-            return future
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()
-            raise
+            return run_coroutine_future(core.load_state_from_peers(timeout))
+        return run_coroutine(core.load_state_from_peers(timeout))
 
     # ------------------------------------------------------------------ averaging
 

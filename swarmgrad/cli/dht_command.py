@@ -11,18 +11,14 @@ import logging
 import signal
 import threading
 
+from swarmgrad.cli.common import add_command
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
 logger = logging.getLogger("swarmgrad.cli.dht")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "dht",
-        help="run a bootstrap / relay DHT peer",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(commands, "dht", help="run a bootstrap / relay DHT peer", doc=__doc__)
     parser.add_argument(
         "--initial-peers",
         "--initial_peers",

@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXIT_OK, EXIT_FAILED = 0, 1
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, add_command
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "identity",
-        help="peer identity files (import a hivemind identity)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        commands, "identity", help="peer identity files (import a hivemind identity)", doc=__doc__
     )
     actions = parser.add_subparsers(dest="action", required=True)
     imp = actions.add_parser("import", help="convert a hivemind identity file")

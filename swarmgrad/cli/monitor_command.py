@@ -23,20 +23,19 @@ import sys
 import threading
 from typing import Any
 
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_command
 from swarmgrad.cli.dht_command import add_admission_arguments, admission_kwargs
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
 logger = logging.getLogger("swarmgrad.cli.monitor")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "monitor",
         help="serve a dashboard of the swarm's runs and a Prometheus /metrics endpoint",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
     )
     parser.add_argument(
         "--initial-peers",

@@ -30,19 +30,15 @@ import threading
 import time
 from typing import Any
 
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_command
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
 logger = logging.getLogger("swarmgrad.cli.serve_stage")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "serve-stage",
-        help="serve one stage of a SWARM pipeline",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        commands, "serve-stage", help="serve one stage of a SWARM pipeline", doc=__doc__
     )
     parser.add_argument("--module", required=True, help="stage module (make_stages, sample_input)")
     parser.add_argument("--pipeline", required=True, help="the pipeline's name in the DHT")

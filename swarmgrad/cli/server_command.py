@@ -33,13 +33,13 @@ import threading
 from functools import partial
 from typing import Any
 
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_command
 from swarmgrad.cli.config_file import OptionAdder, add_network_options, config_tokens, load_config
 from swarmgrad.cli.dht_command import admission_kwargs
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
 logger = logging.getLogger("swarmgrad.cli.server")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 #: defaults of every option (argparse itself keeps only what was given, so the config
 #: file can fill the gaps without overriding the command line)
@@ -95,11 +95,11 @@ def _compression(text: str) -> str:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "server",
         help="host experts of a decentralized mixture-of-experts",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
         argument_default=argparse.SUPPRESS,
     )
 

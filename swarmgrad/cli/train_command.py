@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_command
 from swarmgrad.cli.config_file import config_tokens, load_config
 from swarmgrad.cli.dht_command import admission_kwargs
 from swarmgrad.cli.train_setup import COMPRESSIONS, MODES, PRECISIONS, check_run_options
@@ -46,7 +47,6 @@ from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
 logger = logging.getLogger("swarmgrad.cli.train")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 #: defaults of every option (argparse keeps only what was given, so that the config file
 #: fills the gaps without overriding the command line)
@@ -96,11 +96,11 @@ DEFAULTS: dict[str, Any] = {
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "train",
         help="train a model from a Python module together with a swarm",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
         argument_default=argparse.SUPPRESS,
     )
     group: Any = parser

@@ -27,6 +27,19 @@ def spans(numel: int, chunk: int | None = None) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk, numel)
 
 
+def _float32_windows(
+    tensor: torch.Tensor, chunk: int | None
+) -> Iterator[tuple[int, int, torch.Tensor, bool]]:
+    """``(start, stop, window, is_view)``: a float32 window on ``tensor[start:stop]``, a view
+    of it when ``tensor`` is float32 (``is_view``), else a slice of one reused scratch buffer."""
+    chunk = chunk or CHUNK_NUMEL
+    is_view = tensor.dtype == torch.float32
+    scratch = None if is_view else torch.empty(min(chunk, tensor.numel()), dtype=torch.float32)
+    for start, stop in spans(tensor.numel(), chunk):
+        window = tensor[start:stop] if scratch is None else scratch[: stop - start]
+        yield start, stop, window, is_view
+
+
 def float32_inputs(
     flat: torch.Tensor, chunk: int | None = None
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -35,15 +48,9 @@ def float32_inputs(
     A float32 tensor is viewed directly; other dtypes are converted through one reused
     scratch buffer, so a yielded chunk is only valid until the next one is requested.
     """
-    chunk = chunk or CHUNK_NUMEL
-    if flat.dtype == torch.float32:
-        for start, stop in spans(flat.numel(), chunk):
-            yield start, stop, flat[start:stop]
-        return
-    scratch = torch.empty(min(chunk, flat.numel()), dtype=torch.float32)
-    for start, stop in spans(flat.numel(), chunk):
-        values = scratch[: stop - start]
-        values.copy_(flat[start:stop])
+    for start, stop, values, is_view in _float32_windows(flat, chunk):
+        if not is_view:
+            values.copy_(flat[start:stop])
         yield start, stop, values
 
 
@@ -55,16 +62,10 @@ def float32_outputs(
     For a float32 ``out`` the target is a view into it; otherwise it is a reused scratch
     buffer that is converted into ``out`` when the caller asks for the next chunk.
     """
-    chunk = chunk or CHUNK_NUMEL
-    if out.dtype == torch.float32:
-        for start, stop in spans(out.numel(), chunk):
-            yield start, stop, out[start:stop]
-        return
-    scratch = torch.empty(min(chunk, out.numel()), dtype=torch.float32)
-    for start, stop in spans(out.numel(), chunk):
-        target = scratch[: stop - start]
+    for start, stop, target, is_view in _float32_windows(out, chunk):
         yield start, stop, target
-        out[start:stop].copy_(target)
+        if not is_view:
+            out[start:stop].copy_(target)
 
 
 def block_groups(start: int, stop: int, block: int) -> list[tuple[int, int, int]]:

@@ -8,18 +8,8 @@ from typing import Any
 
 import torch
 
+from swarmgrad.compression import floating, four_bit, quantization
 from swarmgrad.compression.base import CompressionBase, CompressionInfo, NoCompression
-from swarmgrad.compression.floating import (
-    BFloat16Compression,
-    Float16Compression,
-    ScaledFloat16Compression,
-)
-from swarmgrad.compression.four_bit import Blockwise4BitQuantization
-from swarmgrad.compression.quantization import (
-    BlockwiseQuantization,
-    Quantile8BitQuantization,
-    Uniform8BitQuantization,
-)
 from swarmgrad.compression.serialized import CompressionType, SerializedTensor
 from swarmgrad.utils.errors import CodecError, ValidationError
 
@@ -35,13 +25,13 @@ __all__ = [
 BASE_COMPRESSION_TYPES: Mapping[str, CompressionBase] = MappingProxyType(
     {
         CompressionType.NONE.name: NoCompression(),
-        CompressionType.FLOAT16.name: Float16Compression(),
-        CompressionType.BFLOAT16.name: BFloat16Compression(),
-        CompressionType.MEANSTD_16BIT.name: ScaledFloat16Compression(),
-        CompressionType.UNIFORM_8BIT.name: Uniform8BitQuantization(),
-        CompressionType.QUANTILE_8BIT.name: Quantile8BitQuantization(),
-        CompressionType.BLOCKWISE_8BIT.name: BlockwiseQuantization(),
-        CompressionType.BLOCKWISE_4BIT.name: Blockwise4BitQuantization(),
+        CompressionType.FLOAT16.name: floating.Float16Compression(),
+        CompressionType.BFLOAT16.name: floating.BFloat16Compression(),
+        CompressionType.MEANSTD_16BIT.name: floating.ScaledFloat16Compression(),
+        CompressionType.UNIFORM_8BIT.name: quantization.Uniform8BitQuantization(),
+        CompressionType.QUANTILE_8BIT.name: quantization.Quantile8BitQuantization(),
+        CompressionType.BLOCKWISE_8BIT.name: quantization.BlockwiseQuantization(),
+        CompressionType.BLOCKWISE_4BIT.name: four_bit.Blockwise4BitQuantization(),
     }
 )
 _BY_WIRE_NAME = {

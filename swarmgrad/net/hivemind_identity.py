@@ -27,11 +27,9 @@ with an error naming the file and what was wrong, and nothing is written.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +39,8 @@ from swarmgrad.net.identity import (
     _decode_key_message,
     _encode_key_message,
     _key_type_name,
+    _remove_quietly,
+    _write_private_temp,
     verify_signature,
 )
 from swarmgrad.utils.errors import IdentityFileError, ValidationError
@@ -189,7 +189,7 @@ def import_hivemind_identity(
     alias_path = destination.with_name(destination.name + ALIAS_SUFFIX)
     alias_tmp = None
     if alias is not None:
-        alias_tmp = _write_temp_text(alias_path, alias.to_json())
+        alias_tmp = _write_private_temp(alias_path, alias.to_json().encode(), "alias file")
     try:
         identity.save(destination)
         if alias_tmp is not None:
@@ -197,16 +197,5 @@ def import_hivemind_identity(
             alias_tmp = None
     finally:
         if alias_tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(alias_tmp)
+            _remove_quietly(alias_tmp)
     return identity, alias
-
-
-def _write_temp_text(path: Path, text: str) -> str:
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise IdentityFileError(f"cannot write {path}: {e}") from e
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return tmp

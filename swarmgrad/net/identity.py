@@ -485,32 +485,12 @@ class Identity:
         An existing file is replaced.
         """
         path = Path(path)
-        tmp = self._write_temp(path)
+        tmp = _write_private_temp(path, self.to_protobuf(), "identity file")
         try:
             os.replace(tmp, path)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            _remove_quietly(tmp)
             raise
-
-    def _write_temp(self, path: Path) -> str:
-        """Write the key to a fresh 0600 file next to ``path``, return that file's name."""
-        directory = path.parent
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-        except OSError as e:
-            raise IdentityFileError(f"cannot write identity file {path}: {e}") from e
-        try:
-            os.chmod(tmp, 0o600)  # mkstemp already uses 0600; keep it explicit
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.to_protobuf())
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return tmp
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Identity:
@@ -556,7 +536,7 @@ class Identity:
         except OSError as e:
             raise IdentityFileError(f"cannot create the directory of {path}: {e}") from e
         identity = cls.generate()
-        tmp = identity._write_temp(path)
+        tmp = _write_private_temp(path, identity.to_protobuf(), "identity file")
         try:
             os.link(tmp, path)  # fails if another process created the file meanwhile
         except FileExistsError:
@@ -566,7 +546,35 @@ class Identity:
             tmp = None
         finally:
             if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                _remove_quietly(tmp)
         logger.info(f"Created a new identity {identity.peer_id} in {path}")
         return identity
+
+
+# --- key files: written whole next to their place, then moved in ------------------------
+
+
+def _write_private_temp(path: Path, data: bytes, what: str) -> str:
+    """Write ``data`` to a fresh file next to ``path``, readable by its owner only (0600)
+    and synced to disk; return its name, for the caller to move into place
+    (``os.replace``, ``os.link``) or to remove (:func:`_remove_quietly`). ``what`` names
+    the file in the error."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise IdentityFileError(f"cannot write {what} {path}: {e}") from e
+    try:
+        os.chmod(tmp, 0o600)  # mkstemp already uses 0600; keep it explicit
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return tmp
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)

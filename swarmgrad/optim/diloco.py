@@ -75,7 +75,6 @@ from swarmgrad.optim.fragment_schedule import (
     fragment_send_rate,
     split_into_fragments,
 )
-from swarmgrad.optim.metrics import is_scalar_loss
 from swarmgrad.optim.optimizer import Optimizer
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.progress_tracker import ProgressTracker
@@ -329,12 +328,7 @@ class DiLoCoOptimizer(Optimizer):
             raise ValidationError("this DiLoCoOptimizer was shut down")
         if batch_size is not None:
             positive_int("batch_size", batch_size)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            if is_scalar_loss(loss):
-                self.epochs.report_loss(loss)
+        loss = self.epochs.run_closure(closure)
         self._apply_finished_fragments(wait=False)
         if self._state_offer_pending:
             self._offer_state()

@@ -22,9 +22,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.dht.dht import DHT
-from swarmgrad.optim.metrics import MetricsPublisher
+from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
 from swarmgrad.utils.errors import ValidationError
@@ -117,6 +119,14 @@ class EpochMachinery:
         group now, that is within ``matchmaking_time``; None while it is further off."""
         eta = due_time - get_dht_time()
         return eta if eta <= self.matchmaking_time else None
+
+    def round_start(self, scheduled: StepControl | None, eta: float, averager: Any) -> float | None:
+        """When (DHT time) a new round of ``averager``, for what is due in ``eta`` seconds,
+        should begin: in ``eta`` seconds, or the averager's ``min_matchmaking_time`` if
+        longer; None while ``scheduled`` still waits for its group (it is that round)."""
+        if scheduled is not None and not scheduled.triggered and not scheduled.done():
+            return None
+        return get_dht_time() + max(eta, averager._options["min_matchmaking_time"])
 
     # ------------------------------------------------------------------ deciding
 
@@ -283,6 +293,17 @@ class EpochMachinery:
     def report_loss(self, loss: Any) -> None:
         if loss is not None and self.metrics is not None:
             self.metrics.report_loss(loss)
+
+    def run_closure(self, closure: Callable[[], Any] | None) -> Any:
+        """``step(closure)``'s first act: call the closure with gradients enabled and
+        report its loss when it is a scalar; the loss, or None without a closure."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            loss = closure()
+        if is_scalar_loss(loss):
+            self.report_loss(loss)
+        return loss
 
     # ------------------------------------------------------------------ leaving
 

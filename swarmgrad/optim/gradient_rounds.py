@@ -22,7 +22,6 @@ from swarmgrad.optim.grad_averager import GradientAverager
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
-from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = ["GradientRounds", "release", "tag_along_with_zero_weight"]
 
@@ -94,11 +93,10 @@ class GradientRounds:
         eta = self.epochs.round_window(self.tracker.estimated_next_update_time)
         if eta is None:
             return
-        control = self.scheduled
-        if control is None or control.triggered or control.done():
-            eta = max(eta, self.averager._options["min_matchmaking_time"])
+        start = self.epochs.round_start(self.scheduled, eta, self.averager)
+        if start is not None:
             self.scheduled = self.averager.schedule_step(
-                scheduled_time=get_dht_time() + eta,
+                scheduled_time=start,
                 timeout=self.averaging_timeout,
                 round_tag=self.round_tag(),
                 gather=self.digest(),

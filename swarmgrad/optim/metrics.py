@@ -37,8 +37,8 @@ from swarmgrad.dht.dht import DHT
 from swarmgrad.dht.schema import BytesWithPublicKey, SchemaValidator
 from swarmgrad.dht.validation import serialize
 from swarmgrad.net.identity import Identity
+from swarmgrad.optim.peer_record import PeerRecord
 from swarmgrad.utils.errors import ValidationError
-from swarmgrad.utils.loop_thread import get_loop, run_coroutine_future
 from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = [
@@ -227,9 +227,9 @@ class MetricsPublisher:
         self.last_record: PeerMetrics | None = None
         self.published = 0
         self._warned_size = False
-        self._stop: asyncio.Event | None = None
-        self._task: Any = None
-        self._said_goodbye = False
+        self._record = PeerRecord(
+            dht, self.key, self._subkey, self.expiration, f"the metrics record of {run_id}"
+        )
         if start:
             self.start()
 
@@ -279,46 +279,19 @@ class MetricsPublisher:
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> None:
-        if self._task is not None:
+        if self._record.task is not None:
             raise ValidationError("this MetricsPublisher is already running")
-        self._stop = asyncio.Event()  # not bound to a loop until used; set on the loop
-        self._task = run_coroutine_future(self._run())
+        self._record.start(self._run())
 
     def is_alive(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._record.is_alive()
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Stop publishing and store a None record (goodbye), waiting at most ``timeout``."""
-        task = self._task
-        if task is None or self._said_goodbye:
-            return
-        self._said_goodbye = True
-        stop = self._stop
-        if stop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs
-                get_loop().call_soon_threadsafe(stop.set)
-        with contextlib.suppress(Exception):
-            task.result(timeout)
-        if not task.done():
-            task.cancel()
-        if self.dht.node is None:
-            return
-        goodbye = self.dht.store(
-            self.key,
-            subkey=self._subkey,
-            value=None,
-            expiration_time=get_dht_time() + self.expiration,
-            return_future=True,
-        )
-        try:
-            goodbye.result(timeout)
-        except Exception as e:
-            logger.debug("%s: could not withdraw the metrics record: %r", self.run_id, e)
-            goodbye.cancel()
+        self._record.withdraw(timeout)
 
     async def _run(self) -> None:
-        stop = self._stop
-        assert stop is not None
+        stop = self._record.stop
         while not stop.is_set():
             await self._publish_once()
             with contextlib.suppress(TimeoutError):

@@ -57,7 +57,7 @@ from swarmgrad.optim.epoch_machinery import EpochMachinery
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
 from swarmgrad.optim.gradient_rounds import GradientRounds, release
-from swarmgrad.optim.metrics import MetricsPublisher, is_scalar_loss, training_fields
+from swarmgrad.optim.metrics import MetricsPublisher, training_fields
 from swarmgrad.optim.optimizer_setup import (
     check_arguments,
     check_modes,
@@ -70,7 +70,6 @@ from swarmgrad.optim.progress import LocalTrainingProgress
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
-from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = ["Optimizer"]
 
@@ -509,12 +508,7 @@ class Optimizer(torch.optim.Optimizer):
             self.rounds.raise_group_error()
 
         self.state_averager.step(apply_delayed_updates=True)  # a finished background update
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            if is_scalar_loss(loss):
-                self.epochs.report_loss(loss)
+        loss = self.epochs.run_closure(closure)
 
         if not self.auxiliary and self.epochs.should_load_state():
             logger.log(self.status_loglevel, "%s: behind the swarm, loading its state", self.run_id)
@@ -690,14 +684,13 @@ class Optimizer(torch.optim.Optimizer):
             + self.delay_before_state_averaging.ema_seconds_per_sample
             + self.state_averager.delay_before_averaging.ema_seconds_per_sample
         )
-        eta = estimated - get_dht_time()
-        if eta > self.matchmaking_time:
+        eta = self.epochs.round_window(estimated)
+        if eta is None:
             return
-        control = self.scheduled_state
-        if control is None or control.triggered or control.done():
-            eta = max(eta, self.state_averager._options["min_matchmaking_time"])
+        start = self.epochs.round_start(self.scheduled_state, eta, self.state_averager)
+        if start is not None:
             self.scheduled_state = self.state_averager.schedule_step(
-                scheduled_time=get_dht_time() + eta,
+                scheduled_time=start,
                 gather=next_epoch,
                 timeout=self.averaging_timeout,
             )

@@ -47,6 +47,7 @@ from swarmgrad.dht.dht import DHT
 from swarmgrad.dht.schema import SchemaValidator
 from swarmgrad.dht.storage import ValueWithExpiration
 from swarmgrad.net.identity import Identity
+from swarmgrad.optim.peer_record import PeerRecord
 from swarmgrad.optim.performance_ema import PerformanceEMA
 from swarmgrad.optim.progress import (
     GlobalTrainingProgress,
@@ -57,7 +58,7 @@ from swarmgrad.optim.progress import (
 )
 from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
-from swarmgrad.utils.loop_thread import get_loop, run_coroutine, run_coroutine_future
+from swarmgrad.utils.loop_thread import get_loop, run_coroutine
 from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = ["ProgressTracker"]
@@ -188,9 +189,13 @@ class ProgressTracker:
         self.fetched_global_progress_this_epoch = threading.Event()
         self._report_now: asyncio.Event | None = None
         self._fetch_now: asyncio.Event | None = None
-        self._stop: asyncio.Event | None = None
-        self._task: Any = None
-        self._said_goodbye = False
+        self._record = PeerRecord(
+            dht,
+            self.training_progress_key,
+            self._local_public_key,
+            self.metadata_expiration,
+            f"the progress record of {prefix}",
+        )
         if start:
             self.start()
 
@@ -198,54 +203,30 @@ class ProgressTracker:
 
     def start(self) -> None:
         """Begin publishing and reading progress; returns once the first read is done."""
-        if self._task is not None:
+        if self._record.task is not None:
             raise ValidationError("this ProgressTracker is already running")
         ready = threading.Event()
         self._observing_since = get_dht_time()
-        self._task = run_coroutine_future(self._run(ready))
+        task = self._record.start(self._run(ready))
         while not ready.wait(0.1):
-            if self._task.done():
-                self._task.result()  # raises what stopped it
+            if task.done():
+                task.result()  # raises what stopped it
                 break
 
     def is_alive(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._record.is_alive()
 
     def run(self) -> None:
         """hivemind's thread body: start (unless running) and block until
         :meth:`shutdown` is called from another thread."""
-        if self._task is None:
+        if self._record.task is None:
             self.start()
         with contextlib.suppress(concurrent.futures.CancelledError):
-            self._task.result()
+            self._record.task.result()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop, and tell the others this peer left (a None record, its goodbye)."""
-        task = self._task
-        if task is None or self._said_goodbye:
-            return
-        self._said_goodbye = True
-        loop = get_loop()
-        if self._stop is not None:
-            loop.call_soon_threadsafe(self._stop.set)
-        with contextlib.suppress(Exception):
-            task.result(timeout)
-        if not task.done():
-            task.cancel()
-        if self.dht.node is None:
-            return  # the DHT is gone: the record simply expires
-        goodbye = self.dht.store(
-            self.training_progress_key,
-            subkey=self._local_public_key,
-            value=None,
-            expiration_time=get_dht_time() + self.metadata_expiration,
-            return_future=True,
-        )
-        try:
-            goodbye.result(timeout if timeout is not None else self.metadata_expiration)
-        except Exception as e:
-            logger.debug("%s: could not say goodbye: %r", self.prefix, e)
-            goodbye.cancel()
+        self._record.withdraw(timeout if timeout is not None else self.metadata_expiration)
 
     # ------------------------------------------------------------------ reading
 
@@ -454,12 +435,11 @@ class ProgressTracker:
 
     async def _run(self, ready: threading.Event) -> None:
         self._report_now, self._fetch_now = asyncio.Event(), asyncio.Event()
-        self._stop = asyncio.Event()
         try:
             await self._fetch_once()
         finally:
             ready.set()
-        stopper = asyncio.ensure_future(self._stop.wait())
+        stopper = asyncio.ensure_future(self._record.stop.wait())
         try:
             async with asyncio.TaskGroup() as group:
                 reporter = group.create_task(self._reporter())

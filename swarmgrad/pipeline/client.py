@@ -52,7 +52,6 @@ from swarmgrad.pipeline.routing import RoutingOptions, ServerLoad, StageRouter
 from swarmgrad.utils.checks import positive_int, positive_seconds
 from swarmgrad.utils.errors import (
     DeadlineExceeded,
-    HandshakeError,
     ProtocolViolation,
     RemoteError,
     SwarmgradError,
@@ -307,7 +306,7 @@ class PipelineCaller:
                 errors.append(f"{server}: {e}")
                 logger.warning("stage %d %s: refused the answer of %s: %s", stage, kind, server, e)
                 continue
-            except (OSError, HandshakeError, RemoteError, SwarmgradError) as e:
+            except (OSError, SwarmgradError) as e:  # a handshake, a remote error, a dropped link
                 if isinstance(e, ValidationError) and not isinstance(e, RemoteError):
                     raise  # our own request is wrong: every server would refuse it
                 router.report_failure(server, loop.time())

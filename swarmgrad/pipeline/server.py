@@ -28,15 +28,6 @@ from swarmgrad.moe.server import ModuleBackend, Runtime
 from swarmgrad.moe.server.activation_cache import ActivationCache
 from swarmgrad.net.rpc import RPCContext, ServicerBase
 from swarmgrad.pipeline import protocol
-from swarmgrad.pipeline.protocol import (
-    BackwardAnswer,
-    BackwardRequest,
-    ForwardAnswer,
-    ForwardRequest,
-    InfoRequest,
-    StageInfo,
-    StageRecord,
-)
 from swarmgrad.utils.checks import non_negative_int, positive_seconds
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
@@ -87,21 +78,21 @@ class StageServicer(ServicerBase):
         self.server = server
 
     async def rpc_info(self, request: Any, context: RPCContext) -> dict[str, Any]:
-        message = InfoRequest.decode(request)
+        message = protocol.InfoRequest.decode(request)
         self.server.check_address(message.pipeline, message.stage)
         return self.server.stage_info().encode()
 
     async def rpc_forward(self, request: Any, context: RPCContext) -> dict[str, Any]:
-        message = ForwardRequest.decode(request)
+        message = protocol.ForwardRequest.decode(request)
         backend = self.server.check_address(message.pipeline, message.stage)
         what = f"inputs of stage {message.stage} of pipeline {message.pipeline!r}"
         batch_size = _check_inputs(message.inputs, backend, what)
         outputs = await backend.forward_pool.submit_task(*message.inputs, size=batch_size)
         self.server.forward_requests += 1
-        return await _encode(ForwardAnswer(tuple(outputs)), message.compression)
+        return await _encode(protocol.ForwardAnswer(tuple(outputs)), message.compression)
 
     async def rpc_backward(self, request: Any, context: RPCContext) -> dict[str, Any]:
-        message = BackwardRequest.decode(request)
+        message = protocol.BackwardRequest.decode(request)
         backend = self.server.check_address(message.pipeline, message.stage)
         name = f"stage {message.stage} of pipeline {message.pipeline!r}"
         batch_size = _check_inputs(message.inputs, backend, f"inputs of {name}")
@@ -117,7 +108,7 @@ class StageServicer(ServicerBase):
             *message.inputs, *message.grad_outputs, size=batch_size
         )
         self.server.backward_requests += 1
-        return await _encode(BackwardAnswer(tuple(grads)), message.compression)
+        return await _encode(protocol.BackwardAnswer(tuple(grads)), message.compression)
 
 
 def _check_inputs(inputs: tuple, backend: ModuleBackend, what: str) -> int:
@@ -132,9 +123,11 @@ def _check_inputs(inputs: tuple, backend: ModuleBackend, what: str) -> int:
     return batch_size
 
 
-async def _encode(answer: ForwardAnswer | BackwardAnswer, codec: Any) -> dict[str, Any]:
+async def _encode(
+    answer: protocol.ForwardAnswer | protocol.BackwardAnswer, codec: Any
+) -> dict[str, Any]:
     """Lossy codecs on big tensors run in an executor so the loop keeps serving."""
-    tensors = answer.outputs if isinstance(answer, ForwardAnswer) else answer.grad_inputs
+    tensors = answer.outputs if isinstance(answer, protocol.ForwardAnswer) else answer.grad_inputs
     if codec == protocol.CompressionType.NONE or sum(t.numel() for t in tensors) < (1 << 16):
         return answer.encode(codec)
     return await asyncio.get_running_loop().run_in_executor(None, answer.encode, codec)
@@ -196,18 +189,18 @@ class StageServer:
             )
         return self.backend
 
-    def stage_info(self) -> StageInfo:
+    def stage_info(self) -> protocol.StageInfo:
         b = self.backend
-        return StageInfo(
+        return protocol.StageInfo(
             self.stage, self.num_stages, b.args_schema, b.outputs_schema, b.max_batch_size
         )
 
-    def record(self) -> StageRecord:
+    def record(self) -> protocol.StageRecord:
         """This server's DHT record now (measures throughput since the previous one)."""
         self._measure()
         queue = sum(pool.queued_samples for pool in self.backend.get_pools())
         maddrs = tuple(str(m) for m in self.dht.peer.get_visible_maddrs())
-        return StageRecord(maddrs, self.throughput, queue)
+        return protocol.StageRecord(maddrs, self.throughput, queue)
 
     def _measure(self) -> None:
         forward, backward = self.backend.get_pools()

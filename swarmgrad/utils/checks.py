@@ -26,11 +26,16 @@ def positive_int(name: str, value: Any) -> int:
     return value
 
 
+def int_at_least(name: str, value: Any, low: int) -> int:
+    """An ``int`` of ``low`` or more."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValidationError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
 def non_negative_int(name: str, value: Any) -> int:
     """An ``int`` of zero or more."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValidationError(f"{name} must be an int >= 0, got {value!r}")
-    return value
+    return int_at_least(name, value, 0)
 
 
 def positive_number(name: str, value: Any) -> float:
@@ -44,6 +49,13 @@ def non_negative_number(name: str, value: Any) -> float:
     """A finite number of zero or more."""
     if not _is_number(value) or not 0 <= value < math.inf:
         raise ValidationError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def number_at_least(name: str, value: Any, low: float) -> float:
+    """A number of ``low`` or more; infinity passes (a bound that never binds)."""
+    if not _is_number(value) or not value >= low:
+        raise ValidationError(f"{name} must be a number >= {low:g}, got {value!r}")
     return float(value)
 
 
@@ -94,8 +106,10 @@ def check_peer_role(*, client_mode: bool, auxiliary: bool) -> None:
 __all__ = [
     "check_peer_role",
     "fraction",
+    "int_at_least",
     "non_negative_int",
     "non_negative_number",
+    "number_at_least",
     "one_of",
     "optional_positive_seconds",
     "positive_int",

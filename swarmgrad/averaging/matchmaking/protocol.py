@@ -154,6 +154,14 @@ def decode_join_request(message: Any) -> JoinRequest:
 # ---------------------------------------------------------------------------- answers
 
 
+def _pack_suggestion(leader: PeerID | None, maddrs: tuple[str, ...]) -> dict:
+    """The leader worth trying next and its addresses, as :func:`_suggestion` reads them."""
+    return {
+        "suggested_leader": leader.to_bytes() if leader else None,
+        "suggested_maddrs": list(maddrs),
+    }
+
+
 def _suggestion(message: dict, what: str) -> tuple[PeerID | None, tuple[str, ...]]:
     raw = message.get("suggested_leader")
     if raw is not None and not isinstance(raw, bytes):
@@ -178,8 +186,7 @@ class Rejected:
             "code": "rejected",
             "reason": str(self.reason),
             "message": self.message,
-            "suggested_leader": self.suggested_leader.to_bytes() if self.suggested_leader else None,
-            "suggested_maddrs": list(self.suggested_maddrs),
+            **_pack_suggestion(self.suggested_leader, self.suggested_maddrs),
         }
 
 
@@ -222,8 +229,7 @@ class Disbanded:
         return {
             "code": "disbanded",
             "message": self.message,
-            "suggested_leader": self.suggested_leader.to_bytes() if self.suggested_leader else None,
-            "suggested_maddrs": list(self.suggested_maddrs),
+            **_pack_suggestion(self.suggested_leader, self.suggested_maddrs),
         }
 
 

@@ -29,7 +29,7 @@ from swarmgrad.averaging.matchmaking.protocol import (
     Rejection,
 )
 from swarmgrad.net.identity import PeerID
-from swarmgrad.utils.checks import positive_int, positive_seconds
+from swarmgrad.utils.checks import int_at_least, positive_int, positive_seconds
 from swarmgrad.utils.errors import ProtocolViolation, ValidationError
 
 __all__ = ["TICK", "LeaderView", "MatchmakingRules"]
@@ -64,9 +64,7 @@ class MatchmakingRules:
     request_timeout: float = 3.0
 
     def __post_init__(self) -> None:
-        size = self.target_group_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
-            raise ValidationError(f"target_group_size must be an int >= 2, got {size!r}")
+        size = int_at_least("target_group_size", self.target_group_size, 2)
         least = self.min_group_size
         if isinstance(least, bool) or not isinstance(least, int) or not 1 <= least <= size:
             raise ValidationError(

@@ -30,6 +30,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from swarmgrad.utils.checks import (
+    int_at_least,
+    non_negative_int,
+    number_at_least,
+    positive_int,
+)
 from swarmgrad.utils.errors import ValidationError
 
 __all__ = [
@@ -130,12 +136,8 @@ class AggregationRule:
     min_inputs: int = 1
 
     def __post_init__(self) -> None:
-        count = self.min_inputs
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValidationError(f"min_inputs must be an int >= 1, got {count!r}")
-        ratio = self.max_weight_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio >= 1:
-            raise ValidationError(f"max_weight_ratio must be a number >= 1, got {ratio!r}")
+        int_at_least("min_inputs", self.min_inputs, 1)
+        number_at_least("max_weight_ratio", self.max_weight_ratio, 1)
         factor = self.check_factor
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
             raise ValidationError(f"check_factor must be a positive number, got {factor!r}")
@@ -200,13 +202,8 @@ class CenteredClip(AggregationRule):
             raise ValidationError(f"tau must be a positive number, got {self.tau!r}")
         if not 0 < self.tau < math.inf:
             raise ValidationError(f"tau must be a positive number, got {self.tau!r}")
-        if isinstance(self.n_iters, bool) or not isinstance(self.n_iters, int):
-            raise ValidationError(f"n_iters must be a positive int, got {self.n_iters!r}")
-        if self.n_iters <= 0:
-            raise ValidationError(f"n_iters must be a positive int, got {self.n_iters}")
-        factor = self.outlier_factor
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor >= 1:
-            raise ValidationError(f"outlier_factor must be a number >= 1, got {factor!r}")
+        positive_int("n_iters", self.n_iters)
+        number_at_least("outlier_factor", self.outlier_factor, 1)
 
     @property
     def tag(self) -> str:
@@ -273,8 +270,7 @@ class TrimmedMean(AggregationRule):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.trim, bool) or not isinstance(self.trim, int) or self.trim < 0:
-            raise ValidationError(f"trim must be an int >= 0, got {self.trim!r}")
+        non_negative_int("trim", self.trim)
 
     @property
     def tag(self) -> str:

@@ -116,13 +116,24 @@ class _Quorum:
         self.unsatisfied += self._waits(s) - before
 
 
+@dataclass(frozen=True)
+class _WaitRules:
+    """The rules of the module docstring that forward and backward calls share."""
+
+    k_min: int
+    deadline: float | None
+    timeout_after_k_min: float | None
+    detect_anomalies: bool
+
+
 class _Collector:
     """Runs tasks until the quorum rules say stop; subclasses say what a result means."""
 
-    def __init__(self, num_samples: int, k_min: int, deadline: float | None, after_k_min):
+    def __init__(self, num_samples: int, rules: _WaitRules):
         self.loop = asyncio.get_running_loop()
-        self.quorum = _Quorum(num_samples, k_min)
-        self.deadline, self.timeout_after_k_min = deadline, after_k_min
+        self.quorum = _Quorum(num_samples, rules.k_min)
+        self.deadline, self.timeout_after_k_min = rules.deadline, rules.timeout_after_k_min
+        self.detect_anomalies = rules.detect_anomalies
         self.tasks: dict[asyncio.Task, tuple[ExpertCaller, list[int]]] = {}
 
     def call_timeout(self) -> float | None:
@@ -211,19 +222,15 @@ class _ForwardCollector(_Collector):
         inputs: list[torch.Tensor],
         pool: CallerPool,
         schema: ExpertSchema,
+        rules: _WaitRules,
         *,
         k_best: int,
-        k_min: int,
-        deadline: float | None,
-        timeout_after_k_min: float | None,
-        detect_anomalies: bool,
         max_attempts: int,
         health: ServerHealth,
     ):
-        super().__init__(len(candidates), k_min, deadline, timeout_after_k_min)
+        super().__init__(len(candidates), rules)
         self.candidates, self.inputs, self.pool, self.schema = candidates, inputs, pool, schema
-        self.k_best, self.detect_anomalies = k_best, detect_anomalies
-        self.max_attempts, self.health = max_attempts, health
+        self.k_best, self.max_attempts, self.health = k_best, max_attempts, health
         self.positions = [0] * len(candidates)
         self.attempts = [0] * len(candidates)
         self.answers: list[Answer] = []
@@ -319,16 +326,14 @@ async def forward_to_experts(
     ``candidates[s]`` is sample ``s``'s ranked experts; ``max_attempts`` bounds how many
     rounds of ``k_best`` experts a sample may try (the first one included) when all the
     experts of its previous round failed."""
+    rules = _WaitRules(k_min, deadline, timeout_after_k_min, detect_anomalies)
     collector = _ForwardCollector(
         candidates,
         inputs,
         pool,
         schema,
+        rules,
         k_best=k_best,
-        k_min=k_min,
-        deadline=deadline,
-        timeout_after_k_min=timeout_after_k_min,
-        detect_anomalies=detect_anomalies,
         max_attempts=max(max_attempts, 1),
         health=health,
     )
@@ -338,9 +343,8 @@ async def forward_to_experts(
 
 
 class _BackwardCollector(_Collector):
-    def __init__(self, num_samples: int, detect_anomalies: bool, **kwargs: Any):
-        super().__init__(num_samples, **kwargs)
-        self.detect_anomalies = detect_anomalies
+    def __init__(self, num_samples: int, rules: _WaitRules):
+        super().__init__(num_samples, rules)
         self.results: list[tuple[list[int], list[torch.Tensor]]] = []
         self.failures: list[str] = []
 
@@ -377,13 +381,8 @@ async def backward_from_experts(
 ) -> tuple[list[tuple[list[int], list[torch.Tensor]]], list[str]]:
     """Send each ``(caller, samples, inputs, grad_outputs)`` job as one backward request;
     return the (samples, input gradients) that came back and what failed."""
-    collector = _BackwardCollector(
-        num_samples,
-        detect_anomalies,
-        k_min=k_min,
-        deadline=deadline,
-        after_k_min=timeout_after_k_min,
-    )
+    rules = _WaitRules(k_min, deadline, timeout_after_k_min, detect_anomalies)
+    collector = _BackwardCollector(num_samples, rules)
     for caller, samples, inputs, grad_outputs in jobs:
         call = caller.backward(
             inputs, grad_outputs, timeout=collector.call_timeout(), schema=schema

@@ -14,7 +14,7 @@ import errno
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarmgrad.net.sim.links import DEFAULT_HIGH_WATER, Link, Signal
 from swarmgrad.utils.errors import PeerUnreachable
@@ -293,12 +293,7 @@ class SimTransport(asyncio.Transport):
         if not self._writing_paused:
             if size > self._high and not self._lost:
                 self._writing_paused = True
-                try:
-                    self._protocol.pause_writing()  # type: ignore[union-attr]
-                except (SystemExit, KeyboardInterrupt):
-                    raise
-                except BaseException as exc:
-                    self._report(exc, "protocol.pause_writing() failed")
+                self._call_protocol(self._protocol.pause_writing, fatal=False)  # type: ignore[union-attr]
         elif size <= self._low:
             self._loop.call_soon(self._after_send)  # never call back inside write()
 
@@ -360,12 +355,7 @@ class SimTransport(asyncio.Transport):
             return
         if self._writing_paused and len(self._send_buf) <= self._low:
             self._writing_paused = False
-            try:
-                self._protocol.resume_writing()  # type: ignore[union-attr]
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as exc:
-                self._report(exc, "protocol.resume_writing() failed")
+            self._call_protocol(self._protocol.resume_writing, fatal=False)  # type: ignore[union-attr]
         if self._closing and not self._send_buf and not self._lost:
             self._finish_close()
 
@@ -486,12 +476,7 @@ class SimTransport(asyncio.Transport):
                         self._rx_offset = offset + nbytes
                     self._rx_size -= nbytes
                     consumed += nbytes
-                    try:
-                        protocol.buffer_updated(nbytes)  # type: ignore[union-attr]
-                    except (SystemExit, KeyboardInterrupt):
-                        raise
-                    except BaseException as exc:
-                        self._fatal_error(exc, "protocol.buffer_updated() call failed")
+                    if not self._call_protocol(protocol.buffer_updated, nbytes, fatal=True):  # type: ignore[union-attr]
                         return
                 else:
                     rx.popleft()
@@ -499,18 +484,29 @@ class SimTransport(asyncio.Transport):
                     data = item[offset:] if offset else item
                     self._rx_size -= remaining
                     consumed += remaining
-                    try:
-                        protocol.data_received(data)  # type: ignore[union-attr]
-                    except (SystemExit, KeyboardInterrupt):
-                        raise
-                    except BaseException as exc:
-                        self._fatal_error(exc, "protocol.data_received() call failed")
+                    if not self._call_protocol(protocol.data_received, data, fatal=True):  # type: ignore[union-attr]
                         return
         finally:
             if consumed and not self._peer._lost:
                 # the window update travels back to the sender
                 self._link.refresh()
                 self._peer._add_ack(self._loop.time() + self._link.latency, consumed)
+
+    def _call_protocol(self, callback: Callable[..., None], *args: Any, fatal: bool) -> bool:
+        """Call one of the protocol's callbacks; False if it raised. As in asyncio's
+        transports, an error in a callback that takes received data is ``fatal`` to the
+        transport; one in a flow-control callback is only reported."""
+        try:
+            callback(*args)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            if fatal:
+                self._fatal_error(exc, f"protocol.{callback.__name__}() call failed")
+            else:
+                self._report(exc, f"protocol.{callback.__name__}() failed")
+            return False
+        return True
 
     def _on_eof(self) -> None:
         self._network._record("#%s %s->%s eof received", self._id, self._local, self._remote)
