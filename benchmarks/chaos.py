@@ -11,10 +11,14 @@ tiny GPT on Python's standard-library sources for 30 minutes, while a chaos sche
 * pauses a random trainer with SIGSTOP for 15 s,
 
 and once, halfway, restarts every trainer at the same moment (only the keeper holds the
-state then). The same swarm then runs undisturbed for the same time from scratch.
+state then). The same swarm then runs undisturbed from scratch until its keeper has kept
+the epoch the chaos run's keeper last kept: the same number of samples (an epoch is
+``target_batch_size`` samples), so the loss ratio shows what the failures did to the
+model, and the two runs' minutes show what they cost in time.
 
-Reported (a table, then one JSON line): epochs lost (each time the swarm's epoch, the
-highest any trainer reached, is lower after a failure than before it), the final
+Reported (a table, then one JSON line): epochs lost (the swarm's epoch, the highest a live
+trainer holds, lower than it had reached for longer than a peer takes to catch up, or
+the epoch the swarm resumed at after every trainer restarted, below the one it left), the
 held-out loss of the keeper's last state in both runs and their ratio (target within 3%),
 each long-lived process's RSS at the start (after its first epoch) and at the end
 (growth <= 10%), its threads and open files at the start and the end (equal), and
@@ -62,13 +66,14 @@ class Peer:
             stdout=subprocess.PIPE, stderr=log, text=True, env=self.env,
         )  # fmt: skip
         log.close()  # the child has its own descriptor
-        threading.Thread(target=self._read, args=(self.popen,), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.popen, self.starts), daemon=True).start()
 
-    def _read(self, popen: subprocess.Popen) -> None:
+    def _read(self, popen: subprocess.Popen, start: int) -> None:
         for line in popen.stdout:
             if line.startswith("{"):
                 try:
-                    self.events.append({**json.loads(line), "seen": time.monotonic()})
+                    event = json.loads(line)
+                    self.events.append({**event, "seen": time.monotonic(), "start": start})
                 except json.JSONDecodeError:
                     pass
 
@@ -82,6 +87,19 @@ class Peer:
 
     def epochs(self) -> list[int]:
         return [e["epoch"] for e in self.events if e["event"] in ("epoch", "kept")]
+
+    def latest_epoch(self) -> int | None:
+        """The last epoch this process (its current start) reported, if any yet."""
+        for event in reversed(self.events):
+            if event.get("start") != self.starts:
+                return None
+            if event["event"] in ("epoch", "kept"):
+                return event["epoch"]
+        return None
+
+    def kept_epoch(self) -> int | None:
+        kept = [e["epoch"] for e in self.events if e["event"] == "kept"]
+        return max(kept, default=None)
 
 
 def proc_figures(pid: int) -> dict | None:
@@ -183,7 +201,40 @@ class Swarm:
             self.boot.kill()
 
 
-def run(label: str, args: argparse.Namespace, workdir: Path, env: dict, chaos: bool) -> dict:
+class EpochWatch:
+    """Epochs lost: the swarm's epoch (the highest that a live trainer, started and
+    reporting, holds) below the highest it had reached, for longer than a peer takes to
+    catch up (``settle`` seconds: a laggard, or a leader killed just after its update,
+    is not progress lost; a swarm that went back to an older state is)."""
+
+    def __init__(self, settle: float):
+        self.settle, self.high, self.lost = settle, 0, 0
+        self._below_since: float | None = None
+
+    def sample(self, trainers: list[Peer], now: float) -> None:
+        live = [p.latest_epoch() for p in trainers if p.alive()]
+        if not live or None in live:
+            return  # a (re)started trainer has not reported yet
+        current = max(live)
+        if current >= self.high:
+            self.high, self._below_since = current, None
+            return
+        if self._below_since is None:
+            self._below_since = now
+        elif now - self._below_since >= self.settle:
+            self.lost = max(self.lost, self.high - current)
+
+
+def run(
+    label: str,
+    args: argparse.Namespace,
+    workdir: Path,
+    env: dict,
+    chaos: bool,
+    stop_epoch: int | None = None,
+) -> dict:
+    """One swarm for ``args.minutes`` (chaos) or until its keeper has kept
+    ``stop_epoch`` (calm: the same number of samples as the chaos run trained)."""
     swarm = Swarm(label, args, workdir, env)
     rng = random.Random(args.seed)
     cutter = LinkCutter()
@@ -192,10 +243,19 @@ def run(label: str, args: argparse.Namespace, workdir: Path, env: dict, chaos: b
     duration = args.minutes * 60
     first: dict[str, dict] = {}
     restarted_all = False
-    epochs_lost = 0
+    watch = EpochWatch(settle=30 * args.pace)
+    resumed: dict | None = None  # the restart of every trainer: where the swarm went on
     next_action = began + rng.uniform(30, 90) * args.pace
     try:
-        while (now := time.monotonic()) - began < duration:
+        while (now := time.monotonic()) - began < duration * (1 if chaos else 2):
+            kept = swarm.keeper.kept_epoch()
+            if stop_epoch is not None and kept is not None and kept >= stop_epoch:
+                break
+            watch.sample(swarm.trainers, now)
+            if resumed is not None and resumed["resumed_at"] is None:
+                firsts = [p.latest_epoch() for p in swarm.trainers]
+                if any(e is not None for e in firsts):
+                    resumed["resumed_at"] = max(e for e in firsts if e is not None)
             for peer in [swarm.keeper, *swarm.trainers]:
                 if peer.name not in first and peer.epochs() and peer.alive():
                     figures = proc_figures(peer.popen.pid)
@@ -208,6 +268,7 @@ def run(label: str, args: argparse.Namespace, workdir: Path, env: dict, chaos: b
                 for peer in swarm.trainers:
                     peer.start()
                 restarted_all = True
+                resumed = {"before": before, "resumed_at": None}
                 log.append({"t": now - began, "action": "restart all trainers", "epoch": before})
             elif chaos and now >= next_action:
                 victim = rng.choice(swarm.trainers)
@@ -232,16 +293,9 @@ def run(label: str, args: argparse.Namespace, workdir: Path, env: dict, chaos: b
                 log.append(entry)
                 next_action = now + rng.uniform(30, 90) * args.pace
             time.sleep(0.5)
-        # epochs lost: the swarm's epoch seen by the trainers (in time order) going back
-        timeline = sorted(
-            (e["seen"], e["epoch"]) for p in swarm.trainers for e in p.events
-            if e["event"] == "epoch"
-        )  # fmt: skip
-        high = 0
-        for _, epoch in timeline:
-            if epoch < high:
-                epochs_lost = max(epochs_lost, high - epoch)
-            high = max(high, epoch)
+        epochs_lost = watch.lost
+        if resumed is not None and resumed["resumed_at"] is not None:
+            epochs_lost = max(epochs_lost, resumed["before"] - resumed["resumed_at"])
         end = {}
         for peer in [swarm.keeper, *swarm.trainers]:
             if peer.name in first and peer.alive() and peer.popen.pid == first[peer.name]["pid"]:
@@ -254,7 +308,10 @@ def run(label: str, args: argparse.Namespace, workdir: Path, env: dict, chaos: b
         "label": label,
         "chaos_log": log,
         "final_epoch": swarm.swarm_epoch(),
+        "kept_epoch": swarm.keeper.kept_epoch(),
+        "minutes": (time.monotonic() - began) / 60,
         "epochs_lost": epochs_lost,
+        "restart_all": resumed,
         "held_out_loss": held_out_loss(workdir / "kept"),
         "checkpoints_load": checkpoints_load(workdir / "kept"),
         "processes": {name: {"start": first[name], "end": end.get(name)} for name in first},
@@ -306,7 +363,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="swarmgrad-chaos-"))
     try:
         disturbed = run("chaos", args, workdir / "chaos", env, chaos=True)
-        calm = run("calm", args, workdir / "calm", env, chaos=False)
+        calm = run("calm", args, workdir / "calm", env, chaos=False,
+                   stop_epoch=disturbed["kept_epoch"] or 1)  # fmt: skip
     finally:
         if args.keep:
             print(f"logs in {workdir}", file=sys.stderr)
@@ -328,17 +386,20 @@ def main() -> None:
         note = f"  ({entry['skipped']})" if "skipped" in entry else ""
         print(f"{entry['t']:8.1f} s  {entry['action']:<22} {entry.get('peer', ''):<10} "
               f"epoch {entry['epoch']}{note}")  # fmt: skip
-    print(f"epochs lost: {disturbed['epochs_lost']}; final epoch {disturbed['final_epoch']} "
-          f"(undisturbed {calm['final_epoch']})")  # fmt: skip
-    print(f"held-out loss: {disturbed['held_out_loss']} vs undisturbed {calm['held_out_loss']}"
-          f" (ratio {ratio})")  # fmt: skip
+    print(f"epochs lost: {disturbed['epochs_lost']} (restart of every trainer: "
+          f"{disturbed['restart_all']}); the keeper kept epoch {disturbed['kept_epoch']} in "
+          f"{disturbed['minutes']:.1f} min, undisturbed: epoch {calm['kept_epoch']} in "
+          f"{calm['minutes']:.1f} min")  # fmt: skip
+    print(f"held-out loss at that epoch: {disturbed['held_out_loss']} vs undisturbed "
+          f"{calm['held_out_loss']} (ratio {ratio})")  # fmt: skip
     for name, g in growth.items():
         print(f"{name:<10} RSS {g['rss_growth']:+.1%}  threads {g['threads']}  fds {g['fds']}")
     print(f"keeper checkpoints load: {disturbed['checkpoints_load']}")
     print(json.dumps({
         "minutes": args.minutes, "peers": args.peers, "seed": args.seed,
         "epochs_lost": disturbed["epochs_lost"], "final_epoch": disturbed["final_epoch"],
-        "final_epoch_undisturbed": calm["final_epoch"],
+        "kept_epoch": disturbed["kept_epoch"], "kept_epoch_undisturbed": calm["kept_epoch"],
+        "minutes_undisturbed": calm["minutes"], "restart_all": disturbed["restart_all"],
         "held_out_loss": disturbed["held_out_loss"],
         "held_out_loss_undisturbed": calm["held_out_loss"], "loss_ratio": ratio,
         "processes": growth, "checkpoints_load": disturbed["checkpoints_load"],
