@@ -24,7 +24,7 @@ fi
 
 echo "== tests marked gpu (and the device-aware CLI tests)"
 timeout 900 python -m pytest -q -p no:cacheprovider -m gpu -rs \
-    tests/moe/test_client_devices.py tests/cli/test_train_run.py 2>&1 | tee "$OUT/pytest_gpu.log"
+    tests/moe/test_client_devices.py tests/cli/test_train_run.py tests/optim/test_host_copies.py 2>&1 | tee "$OUT/pytest_gpu.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 timeout 900 python -m pytest -q -p no:cacheprovider -x -k "device or fp16 or bf16" \
     tests/cli/test_train_run.py 2>&1 | tee "$OUT/pytest_device.log"

@@ -39,6 +39,7 @@ from swarmgrad.averaging.allreduce import AveragingMode
 from swarmgrad.averaging.averager import DecentralizedAverager
 from swarmgrad.averaging.step_control import StepControl
 from swarmgrad.dht.dht import DHT
+from swarmgrad.optim.host_copies import copy_batch, host_buffer_like
 from swarmgrad.utils.checks import positive_int, positive_number
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
@@ -117,11 +118,8 @@ class GradientAverager(DecentralizedAverager):
                 )
                 for p in self.parameters
             ]
-        if averaged_grads is None:
-            averaged_grads = [
-                torch.zeros_like(p, device="cpu", memory_format=torch.contiguous_format).detach()
-                for p in self.parameters
-            ]
+        if averaged_grads is None:  # pinned for a model on a GPU: see host_copies
+            averaged_grads = [host_buffer_like(p.detach()) for p in self.parameters]
         averaged_grads = list(averaged_grads)
         if len(averaged_grads) != len(self.parameters):
             raise ValidationError(
@@ -194,11 +192,13 @@ class GradientAverager(DecentralizedAverager):
             assert self._accumulators is not None
             sources, scale = list(self._accumulators), self.local_samples_accumulated
         with self.get_tensors() as averaged_grads:
-            for source, buffer in zip(sources, averaged_grads, strict=True):
+            pairs = list(zip(sources, averaged_grads, strict=True))
+            copied = [(s, b) for s, b in pairs if s is not None and scale != 0]
+            copy_batch(copied)  # from a GPU: one wait for all of them
+            for source, buffer in pairs:
                 if source is None or scale == 0:
                     buffer.zero_()
                 else:
-                    buffer.copy_(source.to(buffer.device), non_blocking=False)
                     buffer.mul_(1.0 / scale)
             if self.worker_momentum:
                 self._send_momentum(averaged_grads)

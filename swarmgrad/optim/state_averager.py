@@ -41,6 +41,7 @@ import torch
 from swarmgrad.averaging.averager import DecentralizedAverager
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.dht.dht import DHT
+from swarmgrad.optim.host_copies import copy_batch, host_buffer_like
 from swarmgrad.optim.optimizer_state import (
     dump_optimizer_state,
     initialize_optimizer_state_,
@@ -208,9 +209,10 @@ class TrainingStateAverager(DecentralizedAverager):
         return made, main_parameters
 
     def _offloaded(self, param: torch.Tensor) -> torch.Tensor:
-        copy = torch.nn.Parameter(
-            param.detach().to("cpu", copy=True).contiguous(), requires_grad=param.requires_grad
-        )
+        """The master copy on the host (pinned for a parameter on a GPU)."""
+        master = host_buffer_like(param.detach())
+        copy_batch([(param.detach(), master)])
+        copy = torch.nn.Parameter(master, requires_grad=param.requires_grad)
         if self.custom_gradients and param.requires_grad:
             copy.grad = torch.zeros_like(copy)
         return copy
@@ -365,10 +367,8 @@ class TrainingStateAverager(DecentralizedAverager):
         if not self.offload_optimizer:
             return
         with torch.no_grad():
-            for main, master in zip(
-                self.main_parameters, optimizer_parameters(self.optimizer), strict=True
-            ):
-                main.copy_(master.to(main.device), non_blocking=False)
+            masters = optimizer_parameters(self.optimizer)
+            copy_batch(zip(masters, self.main_parameters, strict=True))
 
     def _update_scheduler(self) -> None:
         """Step the scheduler until it is at ``local_epoch``."""
@@ -479,15 +479,17 @@ class TrainingStateAverager(DecentralizedAverager):
         """Offloaded without custom gradients: the optimizer's master copy takes the
         model's own gradients (a parameter without one is skipped by the step)."""
         with self._state_lock, torch.no_grad():
+            copies = []
             for main, master in zip(
                 self.main_parameters, optimizer_parameters(self.optimizer), strict=True
             ):
                 if main.grad is None:
                     master.grad = None
-                elif master.grad is None or master.grad.shape != main.grad.shape:
-                    master.grad = main.grad.to(master.device, copy=True)
-                else:
-                    master.grad.copy_(main.grad, non_blocking=False)
+                    continue
+                if master.grad is None or master.grad.shape != main.grad.shape:
+                    master.grad = host_buffer_like(main.grad)
+                copies.append((main.grad, master.grad))
+            copy_batch(copies)  # from a GPU: one wait for all of them
 
     def _optimizer_step(self, grad_scaler: Any) -> None:
         with self._state_lock:
