@@ -161,6 +161,8 @@ class Run:
             except subprocess.TimeoutExpired:
                 pass
             process.kill()  # SIGKILL to whatever is left, then reaped
+            with open(self.log_dir / f"{process.name}.events.jsonl", "w") as f:
+                f.writelines(json.dumps(event) + "\n" for event in process.events)
 
     def close(self) -> None:
         self.stop(self.processes)
@@ -265,7 +267,7 @@ def counts(layout) -> str:
 
 def fixed_phase(run: Run, args) -> dict:
     """One peer per stage (the fastest), GPipe-style trainers, then a kill."""
-    fixed = sorted(range(len(args.speeds)), key=lambda p: -args.speeds[p])[: args.stages]
+    fixed = args.fixed
     victim = fixed[args.kill_stage]
     peers = {p: run.start_peer(p, "fixed", stage, rebalance=False) for stage, p in enumerate(fixed)}
     wait_serving(peers, 240)
@@ -460,13 +462,16 @@ def _round(value, digits=2):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--speeds", default="1,1,0.8,0.8,0.6,0.6,0.5,0.5",
+    parser.add_argument("--speeds", default="1,1,0.6,0.6,0.6,0.6,0.6,0.6",
                         help="each stage peer's relative speed")  # fmt: skip
-    parser.add_argument("--start", default="0,5,7/1,6/2,4/3",
+    parser.add_argument("--start", default="0,4,5/1,2/3,6/7",
                         help="the SWARM's first layout: each stage's peers, stages by '/'")  # fmt: skip
-    parser.add_argument("--kill-stage", type=int, default=1, help="whose peer is SIGKILLed")
+    parser.add_argument("--fixed", default="0,2,1,3",
+                        help="the fixed pipeline's peer of each stage: the fastest peers")  # fmt: skip
+    parser.add_argument("--kill-stage", type=int, default=1,
+                        help="the fixed pipeline's peer of this stage is SIGKILLed, in both")  # fmt: skip
     parser.add_argument("--trainers", type=int, default=2)
-    parser.add_argument("--in-flight", type=int, default=6, help="micro-batches per trainer")
+    parser.add_argument("--in-flight", type=int, default=8, help="micro-batches per trainer")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--base-slowdown", type=float, default=0.1,
                         help="seconds per forward pass of a peer of speed 1")  # fmt: skip
@@ -477,7 +482,7 @@ def main() -> None:
     parser.add_argument("--rebalance-interval", type=float, default=10.0)
     parser.add_argument("--hysteresis", type=float, default=0.2)
     parser.add_argument("--hop-timeout", type=float, default=20.0)
-    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--start-window", type=float, default=20.0)
     parser.add_argument("--settle-budget", type=float, default=60.0)
     parser.add_argument("--measure", type=float, default=20.0)
@@ -492,6 +497,12 @@ def main() -> None:
         range(len(args.speeds))
     ):
         parser.error("--start must place every peer of --speeds on one of --stages stages")
+    args.fixed = [int(p) for p in args.fixed.split(",")]
+    fastest = sorted(args.speeds, reverse=True)[: args.stages]
+    if len(args.fixed) != args.stages or sorted(args.speeds[p] for p in args.fixed) != sorted(
+        fastest
+    ):
+        parser.error("--fixed must name one of the fastest peers for every stage")
     if not 0 <= args.kill_stage < args.stages:
         parser.error("--kill-stage must be a stage")
 

@@ -12,8 +12,8 @@ What it shows:
    stage's parameters and optimizer state from the peer already serving it;
 3. a trainer (this process) sends micro-batches through one peer per stage, chosen by
    measured throughput (stochastic wiring), several at once;
-4. midway one stage peer is SIGKILLed: the micro-batches it held are retried on the
-   other peer of its stage, none is lost;
+4. midway a peer of stage 1 (or of another stage with two peers or more) is SIGKILLed:
+   the micro-batches it held are retried on the other peers of its stage, none is lost;
 5. at the end, the held-out perplexity through the trained pipeline against the
    untrained model, and a plot of loss and stage servers over time;
 6. meanwhile, ``swarmgrad monitor`` serves the dashboard (the trainer publishes its
@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kill-at", type=float, default=0.6,
-        help="fraction of the run when a peer of stage 1 is SIGKILLed (0: never)",
+        help="fraction of the run when a peer of stage 1 (or of a stage with two peers or more) "
+        "is SIGKILLed (0: never)",
     )  # fmt: skip
     parser.add_argument(
         "--rebalance-interval", type=float, default=10.0,
@@ -377,10 +378,11 @@ def _train(swarm: _PipelineSwarm, trainer: _Trainer, args: argparse.Namespace):
     next_look = 0.0
     while (elapsed := time.monotonic() - began) < args.duration:
         if kill_time is not None and swarm.killed is None and elapsed >= kill_time:
-            stage = min(1, args.stages - 1)
-            victim = layout[stage][0] if layout[stage] else None
+            # a peer of stage 1, or of another stage that has two peers or more
+            stage = next((s for s in (1, *range(args.stages)) if len(layout[s]) >= 2), 1)
+            victim = layout[stage][0] if len(layout[stage]) >= 2 else None
             process = next((p for p, i in swarm.peers.values() if i == victim), None)
-            if process is not None and len(layout[stage]) >= 2:
+            if process is not None:
                 process.stop(signal.SIGKILL)
                 swarm.killed = (victim, stage)
                 say(f"{elapsed:5.1f} s: stage peer {victim} (stage {stage}) SIGKILLed; its "
