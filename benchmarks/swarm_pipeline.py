@@ -407,7 +407,8 @@ def convergence(args) -> dict | str:
     done = subprocess.run(
         [sys.executable, str(HERE / "pipeline_convergence.py")],
         capture_output=True, text=True, timeout=600, check=False,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))),
     )  # fmt: skip
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -448,7 +449,7 @@ def plot(fixed: dict, swarm: dict, args) -> Path | None:
     bottom.legend(ncol=args.stages)
     figure.suptitle("SWARM pipeline vs a fixed pipeline of the fastest peers")
     figure.tight_layout()
-    path = figure_path("swarm_pipeline.png")
+    path = Path(args.plot) if args.plot else figure_path("swarm_pipeline.png")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -465,11 +466,11 @@ def main() -> None:
     parser.add_argument("--speeds", default="1,1,0.6,0.6,0.6,0.6,0.6,0.6",
                         help="each stage peer's relative speed")  # fmt: skip
     parser.add_argument("--start", default="0,4,5/1,2/3,6/7",
-                        help="the SWARM's first layout: each stage's peers, stages by '/'")  # fmt: skip
+                        help="SWARM's first layout: stages' peers, '/' between")  # fmt: skip
     parser.add_argument("--fixed", default="0,2,1,3",
-                        help="the fixed pipeline's peer of each stage: the fastest peers")  # fmt: skip
+                        help="the fixed pipeline's peer of each stage: the fastest")  # fmt: skip
     parser.add_argument("--kill-stage", type=int, default=1,
-                        help="the fixed pipeline's peer of this stage is SIGKILLed, in both")  # fmt: skip
+                        help="the fixed pipeline's peer here is SIGKILLed (both)")  # fmt: skip
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--in-flight", type=int, default=8, help="micro-batches per trainer")
     parser.add_argument("--batch-size", type=int, default=16)
@@ -490,6 +491,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=3.0, help="throughput window (s)")
     parser.add_argument("--no-convergence", action="store_true")
     parser.add_argument("--log-dir", default=None, help="keep the processes' logs here")
+    parser.add_argument("--plot", default=None, help="the figure's path (default: see above)")
     args = parser.parse_args()
     args.speeds = [float(s) for s in args.speeds.split(",")]
     args.start = parse_layout(args.start)
@@ -569,7 +571,7 @@ def main() -> None:
         "fixed_fault_after_ratio": _round(fixed["after_ratio"]),
         "fixed_fault_dropped": fixed["dropped"],
         "rebalance_start_layout": counts(swarm["start_layout"]),
-        "rebalance_final_layout": None if swarm["final_layout"] is None else counts(swarm["final_layout"]),
+        "rebalance_final_layout": counts(swarm["final_layout"] or []),
         "rebalance_layouts": swarm["layouts"],
         "rebalance_start_samples_per_s": _round(swarm["start_samples_per_s"]),
         "rebalance_start_window_s": _round(swarm["start_window_s"], 1),
@@ -580,18 +582,18 @@ def main() -> None:
         "min_servers_per_stage_target": ">= 1",
         "stage_samples": swarm["stage_samples"],
         "convergence": converged,
-        "convergence_target": "pipeline within 3 % of local; 8-bit within 1 % of exact, 4 x fewer bytes",
+        "convergence_target": "pipeline within 3 % of local; 8-bit within 1 % of exact and "
+                              "4 x fewer bytes",
         "plot": str(figure or ""),
         "wall_s": round(time.monotonic() - wall, 1),
     }  # fmt: skip
     print(f"{'':34}{'samples/s':>10}")
     print(f"{'fixed pipeline (GPipe, fastest)':34}{fixed['samples_per_s']:10.1f}")
-    print(
-        f"{'SWARM, start ' + result['rebalance_start_layout']:34}{swarm['start_samples_per_s']:10.1f}"
-    )
-    print(
-        f"{'SWARM, rebalanced ' + str(result['rebalance_final_layout']):34}{swarm['samples_per_s']:10.1f}"
-    )
+    for name, value in (
+        ("SWARM, start " + result["rebalance_start_layout"], swarm["start_samples_per_s"]),
+        ("SWARM, rebalanced " + result["rebalance_final_layout"], swarm["samples_per_s"]),
+    ):
+        print(f"{name:34}{value:10.1f}")
     print(f"kill: SWARM back to {RECOVERED:g} x in {result['fault_recovery_s']} s, "
           f"{result['fault_dropped']} dropped; fixed: {result['fixed_fault_after_ratio']} x after, "
           f"{result['fixed_fault_dropped']} dropped")  # fmt: skip
