@@ -241,8 +241,9 @@ class _Trainer:
                 self.progress.dropped += 1
                 self.stop.wait(1.0)
                 continue
-            self.progress.add(float(loss), self.args.batch_size)
-            self.publisher.report_loss(float(loss))
+            value = loss.item()
+            self.progress.add(value, self.args.batch_size)
+            self.publisher.report_loss(value)
 
     def start(self) -> None:
         self.progress.began = time.monotonic()

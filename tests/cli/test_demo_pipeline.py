@@ -34,7 +34,7 @@ def test_demo_pipeline_rebalances_the_starved_stage_and_survives_a_killed_peer(t
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    summary = json.loads(output.strip().splitlines()[-1])
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert "starting 3/1: the last stage starved" in output
     # the starved stage got a second peer, and a peer of a two-peer stage was killed
     assert re.search(r"stages served by peers \d+(,\d+)? \| \d+,\d+", output), output
