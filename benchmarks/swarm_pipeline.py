@@ -6,22 +6,26 @@ killed mid-run, rebalancing from a starved stage.
 A GPT-style model (``_pipeline_stages.py``: the model of ``pipeline_convergence.py``) in
 4 stages. Eight stage peers, each a ``swarmgrad serve-stage`` process, with unequal
 speeds: each sleeps ``--base-slowdown / speed`` seconds per forward pass (a backward that
-recomputes the forward sleeps again), speeds ``1, 1, .8, .8, .6, .6, .5, .5``, so the
-sleeps, not the machine's two cores, set how fast a peer is. Micro-batches of 16
+recomputes the forward sleeps again), speeds ``1, 1`` and six of ``0.6`` (two fast
+devices, six slower ones), so the sleeps, not the machine's two cores, set how fast a
+peer is. Micro-batches of 16
 sequences, one per server batch (``--max-batch-size 16``: a server cannot speed up by
 merging requests, as a device at full use would not). Every peer and trainer runs in
 its own network namespace behind a link shaped to ``--rate`` (50 Mbit/s) both ways
 (``_star_lab``); the bootstrap peer sits on the hub. Where the lab cannot be built (no
 root, no ``ip``), everything runs on loopback, unshaped, and ``network`` says so.
 
-1. **Fixed pipeline**: the four fastest peers, one per stage, no rebalancing; two
-   trainers, each GPipe-style (the forwards of ``--in-flight`` micro-batches, then their
-   backwards, then a flush). Its throughput, then its stage-1 peer is SIGKILLed.
+1. **Fixed pipeline**: the four fastest peers, one per stage (``--fixed``: peers 0, 2,
+   1, 3), no rebalancing; two trainers, each GPipe-style (the forwards of
+   ``--in-flight`` micro-batches, then their backwards, then a flush). Its throughput,
+   then its stage-1 peer (``--kill-stage``) is SIGKILLed.
 2. **SWARM**: all eight peers, starting 3/2/2/1 (the last stage, one peer, the
    bottleneck), rebalancing every ``--rebalance-interval`` seconds, stage averaging on;
    two trainers, each with ``--in-flight`` micro-batches in flight, routed by stochastic
    wiring. The throughput before the first move, the layout after rebalancing and the
-   throughput then; then the same peer as in 1 is SIGKILLed: the time until the
+   throughput then; then the same peer as in 1 is SIGKILLed (by default peer 2, a slow
+   one sharing stage 1 with a fast one; ``--kill-stage 0`` kills fast peer 0, whose
+   stage then needs a peer moved to it): the time until the
    throughput is back to 0.8 of before, and what became of the micro-batches in flight
    (retried hops; dropped ones, that failed on every try). A trainer samples every
    stage's servers in the DHT twice a second: no stage may ever be empty.
@@ -480,11 +484,11 @@ def main() -> None:
     parser.add_argument("--no-lab", action="store_true", help="loopback, unshaped")
     parser.add_argument("--update-period", type=float, default=2.0)
     parser.add_argument("--average-period", type=float, default=10.0)
-    parser.add_argument("--rebalance-interval", type=float, default=10.0)
+    parser.add_argument("--rebalance-interval", type=float, default=20.0)
     parser.add_argument("--hysteresis", type=float, default=0.2)
     parser.add_argument("--hop-timeout", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=5.0)
-    parser.add_argument("--start-window", type=float, default=20.0)
+    parser.add_argument("--start-window", type=float, default=25.0)
     parser.add_argument("--settle-budget", type=float, default=60.0)
     parser.add_argument("--measure", type=float, default=20.0)
     parser.add_argument("--fault-window", type=float, default=20.0)

@@ -57,6 +57,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="seconds between averaging rounds (0: never)",
     )
     parser.add_argument(
+        "--averaging-mode",
+        choices=("parameters", "diloco"),
+        default="parameters",
+        help="what the stage's peers average: their parameters, or (diloco) pseudo-gradients "
+        "applied by an outer Nesterov SGD",
+    )
+    parser.add_argument(
         "--rebalance-interval", type=float, default=60.0, help="seconds between checks (0: never)"
     )
     parser.add_argument(
@@ -119,7 +126,9 @@ def _options(args: argparse.Namespace) -> Any:
 
     return StagePeerOptions(
         server=StageServerOptions(update_period=args.update_period),
-        training=StageTrainingOptions(average_period=args.average_period)
+        training=StageTrainingOptions(
+            average_period=args.average_period, mode=args.averaging_mode
+        )
         if args.average_period > 0
         else None,
         rebalance=RebalanceOptions(interval=args.rebalance_interval, hysteresis=args.hysteresis)
