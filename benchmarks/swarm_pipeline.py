@@ -482,7 +482,7 @@ def main() -> None:
                         help="seconds per forward pass of a peer of speed 1")  # fmt: skip
     parser.add_argument("--rate", default="50mbit", help="every link's rate (tc syntax)")
     parser.add_argument("--no-lab", action="store_true", help="loopback, unshaped")
-    parser.add_argument("--update-period", type=float, default=2.0)
+    parser.add_argument("--update-period", type=float, default=1.0)
     parser.add_argument("--average-period", type=float, default=10.0)
     parser.add_argument("--rebalance-interval", type=float, default=20.0)
     parser.add_argument("--hysteresis", type=float, default=0.2)
