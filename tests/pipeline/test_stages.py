@@ -120,3 +120,7 @@ def test_serve_stage_refuses_a_split_that_does_not_chain_before_joining(tmp_path
     assert "stages 0 and 1 do not chain" in done.stderr
     done = run_cli("--module", str(MODULE), "--pipeline", "p", "--stage", "3")
     assert done.returncode == 2 and "--stage must be in [0, 3), got 3" in done.stderr
+    done = run_cli(
+        "--module", str(MODULE), "--pipeline", "p", "--stage", "0", "--activation-cache-mb", "-1"
+    )  # fmt: skip
+    assert done.returncode == 2 and "--activation-cache-mb must be 0 or more" in done.stderr
