@@ -500,7 +500,7 @@ def main() -> None:
     parser.add_argument("--hop-timeout", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--start-window", type=float, default=25.0)
-    parser.add_argument("--settle-budget", type=float, default=60.0)
+    parser.add_argument("--settle-budget", type=float, default=90.0)
     parser.add_argument("--measure", type=float, default=20.0)
     parser.add_argument("--fault-window", type=float, default=20.0)
     parser.add_argument("--window", type=float, default=3.0, help="throughput window (s)")
