@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from swarmgrad.cli import demo_pipeline
+from swarmgrad.cli.main import main
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -20,6 +23,28 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/status")
     return not (status.exists() and "State:\tZ" in status.read_text())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stages", "1"], "--stages must be at least 2"),
+        (["--peers", "7"], "--peers must be at least twice --stages (8"),
+        (["--duration", "0"], "--duration must be positive"),
+        (["--kill-at", "1"], "--kill-at must be in [0, 1)"),
+        (["--width", "30"], "--width must be a multiple of 4"),
+        (["--slowdown", "-1"], "--slowdown must be 0 or more"),
+    ],
+)
+def test_bad_options_are_refused_by_name_before_starting_anything(capsys, argv, message):
+    assert main(["demo", "pipeline", *argv]) == 2
+    assert message in capsys.readouterr().out
+
+
+def test_the_last_stage_starts_starved_and_every_stage_served():
+    assert demo_pipeline.starved_layout(4, 8) == [3, 2, 2, 1]
+    assert demo_pipeline.starved_layout(2, 4) == [3, 1]
+    assert demo_pipeline.starved_layout(3, 7) == [4, 2, 1]
 
 
 @pytest.mark.slow
