@@ -1,7 +1,7 @@
 """SWARM pipeline parallelism against a fixed GPipe-style pipeline: throughput, a peer
 killed mid-run, rebalancing from a starved stage.
 
-    python benchmarks/swarm_pipeline.py          # about 5 minutes here
+    python benchmarks/swarm_pipeline.py          # about 4 minutes here
 
 A GPT-style model (``_pipeline_stages.py``: the model of ``pipeline_convergence.py``) in
 4 stages. Eight stage peers, each a ``swarmgrad serve-stage`` process, with unequal
