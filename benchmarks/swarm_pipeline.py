@@ -8,12 +8,12 @@ A GPT-style model (``_pipeline_stages.py``: the model of ``pipeline_convergence.
 speeds: each sleeps ``--base-slowdown / speed`` seconds per forward pass (a backward that
 recomputes the forward sleeps again), speeds ``1, 1`` and six of ``0.6`` (two fast
 devices, six slower ones), so the sleeps, not the machine's two cores, set how fast a
-peer is. Micro-batches of 16
-sequences, one per server batch (``--max-batch-size 16``: a server cannot speed up by
-merging requests, as a device at full use would not). Every peer and trainer runs in
-its own network namespace behind a link shaped to ``--rate`` (50 Mbit/s) both ways
-(``_star_lab``); the bootstrap peer sits on the hub. Where the lab cannot be built (no
-root, no ``ip``), everything runs on loopback, unshaped, and ``network`` says so.
+peer is. Micro-batches of 16 sequences, one per server batch (``--max-batch-size 16``:
+a server cannot speed up by merging requests, as a device at full use would not). Every
+peer and trainer runs in its own network namespace behind a link shaped to ``--rate``
+(50 Mbit/s) both ways (``_star_lab``); the bootstrap peer sits on the hub. Where the
+lab cannot be built (no root, no ``ip``), everything runs on loopback, unshaped, and
+``network`` says so.
 
 1. **Fixed pipeline**: the four fastest peers, one per stage (``--fixed``: peers 0, 2,
    1, 3), no rebalancing; two trainers, each GPipe-style (the forwards of
