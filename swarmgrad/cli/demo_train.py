@@ -35,8 +35,10 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from swarmgrad.cli.demo_nat import DemoNat
 from swarmgrad.cli.demo_processes import ChildProcess, spawn, stop_all
@@ -159,7 +161,10 @@ class _Trainer:
 
 
 class _Swarm:
-    """The demo's processes and what their trainers report (JSON lines, one per event)."""
+    """The demo's processes and what their trainers report (JSON lines, one per event).
+    ``swarmgrad demo pipeline`` reuses its bootstrap peer and dashboard (``run_id``)."""
+
+    run_id = "swarmgrad-demo"
 
     def __init__(self, args: argparse.Namespace, workdir: Path):
         self.args, self.workdir = args, workdir
@@ -195,7 +200,7 @@ class _Swarm:
         """``swarmgrad monitor`` on the demo's run; returns the dashboard's URL."""
         monitor = spawn(
             "monitor", "monitor", "--initial-peers", self.bootstrap,
-            "--run-id", "swarmgrad-demo", "--port", str(self.args.monitor_port),
+            "--run-id", self.run_id, "--port", str(self.args.monitor_port),
             "--poll-interval", "2", log_path=str(self.workdir / "monitor.log"),
         )  # fmt: skip
         self.processes.append(monitor)
@@ -218,7 +223,7 @@ class _Swarm:
             "train",
             "--model-module", demo_model.__file__,
             "--module-options", *options,
-            "--run-id", "swarmgrad-demo",
+            "--run-id", self.run_id,
             "--initial-peers", self.bootstrap,
             "--target-batch-size", str(a.target_batch_size),
             "--batch-size", str(a.batch_size),
@@ -351,18 +356,25 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGINT, previous)
 
 
-def _train(swarm: _Swarm, args: argparse.Namespace) -> _Watch:
+def progress_bar(duration: float, disable: bool) -> tuple[Any, Callable[[str], None]]:
+    """The demos' progress bar (seconds of the run, a status after them) and how to print
+    a line above it (plain prints when it is disabled)."""
     from tqdm import tqdm
 
+    bar = tqdm(
+        total=round(duration), disable=disable, unit="s", dynamic_ncols=True,
+        desc="training", bar_format="{desc} {bar} {n_fmt}/{total_fmt} s {postfix}",
+    )  # fmt: skip
+    say = bar.write if not disable else (lambda text: print(text, flush=True))
+    return bar, say
+
+
+def _train(swarm: _Swarm, args: argparse.Namespace) -> _Watch:
     join_time = args.join_at * args.duration if args.join_at > 0 else None
     kill_time = args.kill_at * args.duration if args.kill_at > 0 else None
     began = time.monotonic()
     watch = _Watch(began)
-    bar = tqdm(
-        total=round(args.duration), disable=args.no_progress, unit="s", dynamic_ncols=True,
-        desc="training", bar_format="{desc} {bar} {n_fmt}/{total_fmt} s {postfix}",
-    )  # fmt: skip
-    say = bar.write if not args.no_progress else (lambda text: print(text, flush=True))
+    bar, say = progress_bar(args.duration, args.no_progress)
     victim = swarm.trainers[1]
     joiner: _Trainer | None = None
     while (elapsed := time.monotonic() - began) < args.duration:
@@ -472,6 +484,16 @@ def _final_checkpoint(swarm: _Swarm, workdir: Path) -> dict:
 
 
 def _plot(watch: _Watch, path: Path) -> Path | None:
+    return plot_history(
+        watch.history, path, "swarmgrad demo: one tiny GPT trained by a swarm", "peers"
+    )
+
+
+def plot_history(
+    history: list[tuple[float, float, int]], path: Path, title: str, count_label: str
+) -> Path | None:
+    """Loss (left axis) and a count of peers (right axis, a step line) over seconds, as
+    a PNG at ``path``; None without matplotlib. ``history``: (seconds, loss, count)."""
     try:
         import matplotlib
 
@@ -479,16 +501,16 @@ def _plot(watch: _Watch, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    times = [t for t, _, _ in watch.history]
+    times = [t for t, _, _ in history]
     figure, loss_axis = plt.subplots(figsize=(7, 4))
-    loss_axis.plot(times, [loss for _, loss, _ in watch.history], color="tab:blue")
+    loss_axis.plot(times, [loss for _, loss, _ in history], color="tab:blue")
     loss_axis.set_xlabel("seconds")
     loss_axis.set_ylabel("training loss", color="tab:blue")
     peer_axis = loss_axis.twinx()
-    peer_axis.step(times, [p for _, _, p in watch.history], where="post", color="tab:orange")
-    peer_axis.set_ylabel("peers", color="tab:orange")
-    peer_axis.set_ylim(0, max([p for _, _, p in watch.history], default=1) + 1)
-    loss_axis.set_title("swarmgrad demo: one tiny GPT trained by a swarm")
+    peer_axis.step(times, [p for _, _, p in history], where="post", color="tab:orange")
+    peer_axis.set_ylabel(count_label, color="tab:orange")
+    peer_axis.set_ylim(0, max([p for _, _, p in history], default=1) + 1)
+    loss_axis.set_title(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)

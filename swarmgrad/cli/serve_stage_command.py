@@ -53,12 +53,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="seconds between averaging rounds (0: never)",
     )
     parser.add_argument(
+        "--averaging-mode",
+        choices=("parameters", "diloco"),
+        default="parameters",
+        help="what the stage's peers average: their parameters, or (diloco) pseudo-gradients "
+        "applied by an outer Nesterov SGD",
+    )
+    parser.add_argument(
         "--rebalance-interval", type=float, default=60.0, help="seconds between checks (0: never)"
     )
     parser.add_argument(
         "--hysteresis", type=float, default=0.2, help="least gain that moves a peer"
     )
     parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument(
+        "--activation-cache-mb",
+        type=float,
+        default=256.0,
+        help="memory for forward graphs kept for their backward (0: always recompute)",
+    )
     parser.add_argument("--batch-timeout", type=float, default=0.01)
     parser.add_argument(
         "--slowdown",
@@ -112,10 +125,18 @@ def _options(args: argparse.Namespace) -> Any:
     from swarmgrad.pipeline.rebalance import RebalanceOptions
     from swarmgrad.pipeline.server import StageServerOptions
     from swarmgrad.pipeline.training import StageTrainingOptions
+    from swarmgrad.utils.errors import ValidationError
 
+    if not args.activation_cache_mb >= 0:
+        raise ValidationError(
+            f"--activation-cache-mb must be 0 or more, got {args.activation_cache_mb}"
+        )
     return StagePeerOptions(
-        server=StageServerOptions(update_period=args.update_period),
-        training=StageTrainingOptions(average_period=args.average_period)
+        server=StageServerOptions(
+            update_period=args.update_period,
+            activation_cache_bytes=int(args.activation_cache_mb * 2**20),
+        ),
+        training=StageTrainingOptions(average_period=args.average_period, mode=args.averaging_mode)
         if args.average_period > 0
         else None,
         rebalance=RebalanceOptions(interval=args.rebalance_interval, hysteresis=args.hysteresis)

@@ -271,6 +271,7 @@ class PipelineCaller:
         router = self.routers[stage]
         tried: set[PeerID] = set()
         errors: list[str] = []
+        late_tries = 0
         for _ in range(self.options.max_attempts):
             servers = await self.servers(stage, deadline)
             now = loop.time()
@@ -287,13 +288,14 @@ class PipelineCaller:
             remaining = deadline - now
             if remaining <= 0:
                 break
-            hop_timeout = min(router.hop_deadline(), remaining)
+            hop_timeout = min(router.hop_deadline(late_tries), remaining)
             started = loop.time()
             try:
                 result = await attempt(server, hop_timeout)
             except DeadlineExceeded:
                 router.report_failure(server, loop.time())
                 self.stats["late"] += 1
+                late_tries += 1
                 errors.append(f"{server}: no answer within {hop_timeout:.3g} s")
                 logger.info(
                     "stage %d %s: server %s missed the %.3g s deadline; retrying elsewhere",

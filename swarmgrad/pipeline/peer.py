@@ -135,9 +135,10 @@ class StagePeer:
     # ------------------------------------------------------------------ rebalancing
 
     def check_rebalance(self, now: float | None = None) -> Move | None:
-        """One rebalancing check; moves this peer and returns the move if it is due."""
+        """One look at the stages' records; moves this peer and returns the move if a
+        check is due (or a stage lost a peer) and the plan names this peer."""
         now = time.monotonic() if now is None else now
-        if self.rebalancer is None or not self.rebalancer.due(now):
+        if self.rebalancer is None:
             return None
         loads = self.dht.run_coroutine(
             lambda _dht, node: read_stage_loads(node, self.pipeline, self.num_stages)
@@ -216,8 +217,8 @@ class StagePeer:
             old_averager.shutdown()
 
     def _run(self) -> None:
-        interval = self.options.rebalance.interval
-        while not self._stop.wait(min(interval, 5.0)):
+        options = self.options.rebalance
+        while not self._stop.wait(min(options.interval, options.look_period)):
             try:
                 self.check_rebalance()
             except Exception as e:

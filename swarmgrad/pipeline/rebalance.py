@@ -23,7 +23,10 @@ measured speed and are never chosen to move; while some stage has peers but no
 measurement at all, nothing is planned (its total is unknown).
 
 :class:`Rebalancer` adds the interval (one check per ``interval`` seconds, and none for
-``interval`` after this peer moved) and tells a peer whether the move is its own.
+``interval`` after this peer moved) and tells a peer whether the move is its own. A
+stage that has fewer peers than at the previous look (one left, or died and its record
+lapsed) is checked at once, whatever the interval: a failure should not wait a whole
+interval for its repair. Peers look every ``look_period`` seconds.
 """
 
 from __future__ import annotations
@@ -43,14 +46,18 @@ StageLoads = Sequence[Mapping[Hashable, float]]  # per stage: {peer: samples per
 @dataclass(frozen=True)
 class RebalanceOptions:
     """``interval``: seconds between checks; ``hysteresis``: the least relative gain of
-    the pipeline's throughput that justifies a move (0.2: 20 %)."""
+    the pipeline's throughput that justifies a move (0.2: 20 %); ``look_period``: seconds
+    between looks at the records, to notice a stage that lost a peer (capped by
+    ``interval``)."""
 
     interval: float = 60.0
     hysteresis: float = 0.2
     tie_tolerance: float = 0.1
+    look_period: float = 2.0
 
     def __post_init__(self) -> None:
         positive_seconds("interval", self.interval)
+        positive_seconds("look_period", self.look_period)
         non_negative_number("hysteresis", self.hysteresis)
         non_negative_number("tie_tolerance", self.tie_tolerance)
 
@@ -150,13 +157,27 @@ class Rebalancer:
         if not isinstance(self.options, RebalanceOptions):
             raise ValidationError("options must be RebalanceOptions")
         self.next_check = -math.inf
+        self._seen: list[int] | None = None  # peers per stage at the previous look
 
     def due(self, now: float) -> bool:
         return now >= self.next_check
 
+    def lost_peers(self, stages: StageLoads) -> bool:
+        """Whether some stage has fewer peers than at the previous look (remembers this
+        look's counts for the next)."""
+        counts = [len(peers) for peers in stages]
+        seen, self._seen = self._seen, counts
+        return (
+            seen is not None
+            and len(seen) == len(counts)
+            and any(now < before for now, before in zip(counts, seen, strict=True))
+        )
+
     def decide(self, now: float, stages: StageLoads) -> Move | None:
-        """At a due check: the move if this peer is the one to move, else None."""
-        if not self.due(now):
+        """At a due check, or at once when a stage lost a peer: the move if this peer is
+        the one to move, else None."""
+        lost = self.lost_peers(stages)
+        if not self.due(now) and not lost:
             return None
         self.next_check = now + self.options.interval
         move = plan_move(stages, self.options.hysteresis, self.options.tie_tolerance)
@@ -165,5 +186,7 @@ class Rebalancer:
         return move
 
     def moved(self, now: float) -> None:
-        """This peer moved: its new stage's records need time to show its speed."""
+        """This peer moved: its new stage's records need time to show its speed (and
+        the stage it left has one peer fewer: that is no loss to react to)."""
         self.next_check = now + self.options.interval
+        self._seen = None

@@ -18,7 +18,8 @@ next and how long to wait for it. The client keeps one router per stage.
 - **Hop deadline**, adaptive like the averaging deadlines: ``slack`` times a high
   quantile of recent successful hop times, within ``[min_deadline, max_deadline]``;
   ``initial_deadline`` before any hop was measured. A stalled server trips it after a
-  few times the usual pace; a merely slow swarm raises it.
+  few times the usual pace; a merely slow swarm raises it. Each try of one hop that
+  missed its deadline doubles the next try's (a stage that lost servers queues longer).
 """
 
 from __future__ import annotations
@@ -176,11 +177,20 @@ class StageRouter:
 
     # ------------------------------------------------------------------ deadline
 
-    def hop_deadline(self) -> float:
-        """Seconds to wait for the next hop's answer."""
+    def hop_deadline(self, late_tries: int = 0) -> float:
+        """Seconds to wait for the next hop's answer; ``late_tries``: how many tries of
+        this hop already missed their deadline. Each doubles it (up to ``max_deadline``):
+        when a stage lost servers, the queue of those left grows beyond what recent hops
+        took, and a deadline that never grew would drop every micro-batch there."""
         options = self.options
         if not self._hop_times:
-            return options.initial_deadline
-        ordered = sorted(self._hop_times)
-        index = min(len(ordered) - 1, math.ceil(options.quantile * len(ordered)) - 1)
-        return min(options.max_deadline, max(options.min_deadline, options.slack * ordered[index]))
+            base = options.initial_deadline
+        else:
+            ordered = sorted(self._hop_times)
+            index = min(len(ordered) - 1, math.ceil(options.quantile * len(ordered)) - 1)
+            base = min(
+                options.max_deadline, max(options.min_deadline, options.slack * ordered[index])
+            )
+        if late_tries <= 0:
+            return base
+        return min(max(options.max_deadline, base), base * 2 ** min(late_tries, 32))

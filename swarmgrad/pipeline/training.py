@@ -12,6 +12,14 @@ The averaging is applied as a delta: the parameters are copied out under the bac
 lock, averaged while the server keeps serving (and stepping), and then each parameter
 moves by ``averaged - copied``, so the steps taken during the round are kept.
 
+``mode="diloco"`` averages pseudo-gradients instead (DiLoCo, as
+:class:`~swarmgrad.optim.DiLoCoOptimizer` does for whole models): each peer keeps the
+stage's parameters as of the last round (the *anchor*); a round averages ``anchor -
+parameters`` (how far each peer moved) and an outer optimizer (Nesterov SGD, lr 0.7,
+momentum 0.9 by default, ``optim``'s) applies the average to the anchor; each peer
+continues from the new anchor plus the steps it took during the round. With an outer
+SGD of lr 1 and no momentum this is parameter averaging again.
+
 The same averager shares the stage's state with peers that join the stage (a new peer,
 or one that rebalancing moved here): :meth:`StageAverager.load_state_from_peers`
 downloads parameters and optimizer state with the averagers' existing state download.
@@ -22,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +38,14 @@ import torch
 
 from swarmgrad.averaging import DecentralizedAverager
 from swarmgrad.moe.server import ModuleBackend
+from swarmgrad.optim.diloco_setup import default_outer_optimizer
 from swarmgrad.pipeline.protocol import stage_key
-from swarmgrad.utils.checks import positive_seconds
+from swarmgrad.utils.checks import one_of, positive_seconds
 from swarmgrad.utils.errors import ValidationError
 
-__all__ = ["StageAverager", "StageTrainingOptions"]
+__all__ = ["MODES", "StageAverager", "StageTrainingOptions"]
+
+MODES = ("parameters", "diloco")
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +55,24 @@ class StageTrainingOptions:
     """``average_period``: seconds between averaging rounds of a stage's peers;
     ``averaging_timeout``: how long one round may look for a group and run;
     ``min_matchmaking_time``: how long a round gathers peers;
-    ``state_timeout``: how long a joining peer waits for the stage's state."""
+    ``state_timeout``: how long a joining peer waits for the stage's state;
+    ``mode``: ``"parameters"`` (average the parameters) or ``"diloco"`` (average
+    pseudo-gradients, applied by ``outer_optimizer``, a factory over the anchor tensors;
+    default Nesterov SGD lr 0.7 momentum 0.9)."""
 
     average_period: float = 30.0
     averaging_timeout: float = 30.0
     min_matchmaking_time: float = 5.0
     state_timeout: float = 60.0
+    mode: str = "parameters"
+    outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
 
     def __post_init__(self) -> None:
+        one_of("mode", self.mode, MODES)
+        if self.outer_optimizer is not None and not callable(self.outer_optimizer):
+            raise ValidationError("outer_optimizer must be a factory: params -> optimizer")
+        if self.outer_optimizer is not None and self.mode != "diloco":
+            raise ValidationError('outer_optimizer needs mode="diloco"')
         for name in (
             "average_period",
             "averaging_timeout",
@@ -141,14 +163,27 @@ class StageAverager:
             min_matchmaking_time=self.options.min_matchmaking_time,
             **averager_kwargs,
         )
+        self._anchor: list[torch.Tensor] = []
+        self._outer: torch.optim.Optimizer | None = None
+        if self.options.mode == "diloco":
+            self._reset_anchor()
         self.rounds = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ averaging
 
+    def _reset_anchor(self) -> None:
+        """The current parameters become the anchor, with a fresh outer optimizer."""
+        with self.backend.lock:
+            self._anchor = [p.detach().cpu().clone() for p in self.backend.module.parameters()]
+        make_outer = self.options.outer_optimizer or default_outer_optimizer
+        self._outer = make_outer(self._anchor)
+
     def average_once(self) -> bool:
         """One averaging round; True if it averaged with at least one other peer."""
+        if self.options.mode == "diloco":
+            return self._outer_step()
         params = list(self.backend.module.parameters())
         with self.backend.lock, self.averager.get_tensors() as staging:
             for buffer, param in zip(staging, params, strict=True):
@@ -160,6 +195,29 @@ class StageAverager:
         with self.backend.lock, self.averager.get_tensors() as staging, torch.no_grad():
             for param, averaged, before in zip(params, staging, copied, strict=True):
                 param.add_((averaged - before).to(param.device))
+        self.rounds += 1
+        return True
+
+    def _outer_step(self) -> bool:
+        """DiLoCo: average the pseudo-gradients, step the anchor, move the parameters by
+        as much as the anchor moved (the steps taken meanwhile are kept)."""
+        params = list(self.backend.module.parameters())
+        with self.backend.lock, self.averager.get_tensors() as staging:
+            copied = [p.detach().cpu().clone() for p in params]
+            for buffer, anchor, now in zip(staging, self._anchor, copied, strict=True):
+                buffer.copy_(anchor - now)
+        if not self.averager.step(timeout=self.options.averaging_timeout):
+            return False  # nobody to average with: train on, the anchor stays
+        assert self._outer is not None
+        with self.averager.get_tensors() as staging:
+            for anchor, averaged in zip(self._anchor, staging, strict=True):
+                anchor.grad = averaged.clone()
+        self._outer.step()
+        self._outer.zero_grad(set_to_none=True)
+        with self.backend.lock, torch.no_grad():
+            for param, anchor, now in zip(params, self._anchor, copied, strict=True):
+                # param = new anchor + (param - copied): the steps taken during the round
+                param.add_((anchor - now).to(param.device))
         self.rounds += 1
         return True
 
@@ -194,6 +252,8 @@ class StageAverager:
                 restored = _restore(metadata["optimizer"], list(tensors[num_params:]))
                 self.backend.optimizer.load_state_dict(restored)
             self.backend.update_count = int(metadata.get("update_count", 0))
+        if self.options.mode == "diloco":
+            self._reset_anchor()  # the downloaded parameters are where this peer starts
         logger.info("stage %d: loaded the stage's state from its peers", self.stage)
         return True
 

@@ -13,7 +13,12 @@ import torch
 from torch import nn
 
 from swarmgrad.pipeline import protocol
-from swarmgrad.pipeline.protocol import BackwardRequest, ForwardAnswer, ForwardRequest
+from swarmgrad.pipeline.protocol import (
+    BackwardAnswer,
+    BackwardRequest,
+    ForwardAnswer,
+    ForwardRequest,
+)
 from swarmgrad.pipeline.server import StageServicer
 from swarmgrad.utils.errors import DeadlineExceeded, RemoteError, ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine
@@ -131,6 +136,58 @@ def test_wrong_activations_are_refused_naming_them_blamed_and_retried_elsewhere(
     )
 
 
+class WrongGradientServicer(StageServicer):
+    """Answers backward with input gradients of the wrong shape (or dtype), after doing
+    the real backward (so a wrong answer is all that differs)."""
+
+    wrong = "shape"
+
+    async def rpc_backward(self, request, context):
+        message = BackwardRequest.decode(request)
+        grads = self.server.backend.backward(*message.inputs, *message.grad_outputs)
+        self.server.backward_requests += 1
+        (grad,) = grads
+        grad = grad[:, :-1] if self.wrong == "shape" else grad.double()
+        return BackwardAnswer((grad,)).encode("none")
+
+
+class WrongGradientDtypeServicer(WrongGradientServicer):
+    wrong = "dtype"
+
+
+@pytest.mark.parametrize(
+    "liar, named",
+    [(WrongGradientServicer, "shape"), (WrongGradientDtypeServicer, "dtype")],
+)
+def test_wrong_gradients_are_refused_naming_them_blamed_and_retried_elsewhere(
+    swarm, caplog, liar, named
+):
+    name = swarm.new_name()
+    stages = local_stages()[:2]
+    # stage 1 has two servers, one of them lies in its backward answers; the backward of
+    # a micro-batch whose forward went through the liar is tried there first
+    bad = swarm.serve(name, 1, 2, copy.deepcopy(stages[1]), 8, servicer=liar, lr=0.0)
+    swarm.serve(name, 1, 2, copy.deepcopy(stages[1]), 8, lr=0.0)
+    swarm.serve(name, 0, 2, copy.deepcopy(stages[0]), 4, lr=0.0)
+    pipe = swarm.pipeline(name, 2, timeout=20)
+    caplog.set_level(logging.WARNING, logger="swarmgrad.pipeline.client")
+    for _ in range(30):
+        x = torch.randn(3, 4, requires_grad=True)
+        pipe(x).sum().backward()
+        x_ref, out_ref = reference(stages, x)
+        out_ref.sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad)  # the refused answer never counted
+        if pipe.stats["blamed"]:
+            break
+    assert pipe.stats["blamed"] == 1 and bad.backward_requests == 1
+    assert pipe.stats["dropped"] == 0 and pipe.stats["retried_hops"] >= 1
+    assert pipe.caller.routers[1].is_banned(bad.dht.peer_id, time.monotonic())
+    assert any(
+        named in r.getMessage() and "grad_inputs[0] of stage 1" in r.getMessage()
+        for r in caplog.records
+    )
+
+
 class SlowWhenGradEnabled(nn.Module):
     """Sleeps in the passes that build a graph: the backward recomputation."""
 
@@ -173,6 +230,23 @@ def test_late_forward_answers_are_dropped_and_the_hop_retried(swarm):
         if pipe.stats["late"]:
             break
     assert pipe.stats["late"] >= 1 and slow.forward_requests == 0  # its answers never came back
+
+
+def test_a_stage_whose_only_server_outlasts_the_deadline_gets_longer_ones(swarm):
+    # a stage that lost servers: the one left is slower than recent hops; each late try
+    # doubles the next one's deadline, so the micro-batch gets through instead of being
+    # dropped after max_attempts tries that all end at the same deadline
+    name = swarm.new_name()
+    stages = local_stages()[:2]
+    swarm.serve(name, 0, 2, SlowForward(copy.deepcopy(stages[0]), 0.8), 4)
+    swarm.serve(name, 1, 2, copy.deepcopy(stages[1]), 8)
+    routing = {"initial_deadline": 0.3, "min_deadline": 0.3, "ban_seconds": 0.01,
+               "max_ban_seconds": 0.01}  # fmt: skip
+    pipe = swarm.pipeline(name, 2, timeout=30, max_attempts=8, routing=routing)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(pipe(x), reference(stages, x)[1])
+    assert pipe.stats["late"] >= 1 and pipe.stats["dropped"] == 0
+    assert pipe.stats["forward_hops"] == 2
 
 
 def test_late_backward_answers_are_dropped_and_gradients_applied_once(swarm):

@@ -154,6 +154,26 @@ def test_rebalancer_checks_once_per_interval_and_only_the_chosen_peer_moves():
     assert not chosen.due(60.0) and chosen.due(61.0)
 
 
+def test_a_stage_that_lost_a_peer_is_checked_at_once_not_after_the_interval():
+    options = RebalanceOptions(interval=60.0, hysteresis=0.1)
+    before = [{"a": 10.0, "b": 10.0, "g": 10.0}, {"c": 10.0, "d": 10.0}, {"e": 10.0, "f": 10.0}]
+    mover = Rebalancer("a", options)
+    assert mover.decide(0.0, before) is None  # no move gains 10 %
+    assert mover.decide(5.0, before) is None and not mover.due(5.0)
+    # d died and its record lapsed: stage 1 is the bottleneck now, checked at 6 s
+    after = [{"a": 10.0, "b": 10.0, "g": 10.0}, {"c": 10.0}, {"e": 10.0, "f": 10.0}]
+    move = mover.decide(6.0, after)
+    assert move is not None and (move.peer, move.from_stage, move.to_stage) == ("a", 0, 1)
+    # the same counts again are no new loss: back to the interval
+    assert mover.decide(7.0, after) is None
+    # a peer that moved does not count the stage it left as a loss
+    mover.moved(8.0)
+    moved = [{"b": 10.0, "g": 10.0}, {"c": 10.0, "a": 0.0}, {"e": 10.0, "f": 10.0}]
+    assert mover.decide(9.0, moved) is None and mover.decide(10.0, moved) is None
+    with pytest.raises(ValidationError, match="look_period"):
+        RebalanceOptions(look_period=0)
+
+
 def test_plan_is_the_same_for_every_random_peer_order():
     rng = random.Random(1)
     stages = [{f"s{i}p{j}": rng.uniform(1, 5) for j in range(rng.randint(1, 4))} for i in range(4)]

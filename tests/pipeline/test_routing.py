@@ -110,6 +110,15 @@ def test_hop_deadline_starts_at_the_initial_value_then_follows_measured_hops():
     assert r.hop_deadline() == pytest.approx(6.0)
 
 
+def test_each_late_try_of_a_hop_doubles_its_next_deadline_up_to_the_limit():
+    r = router(initial_deadline=2.0, min_deadline=0.5, max_deadline=10.0, slack=2.0)
+    assert [r.hop_deadline(late) for late in range(4)] == [2.0, 4.0, 8.0, 10.0]
+    for _ in range(10):
+        r.report_success("a", 1.0, now=0.0)
+    assert [r.hop_deadline(late) for late in range(3)] == [2.0, 4.0, 8.0]
+    assert r.hop_deadline(10_000) == 10.0
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(0, 1e6, allow_nan=False), max_size=100))
 def test_hop_deadline_stays_within_its_bounds(times):

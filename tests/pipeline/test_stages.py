@@ -120,3 +120,27 @@ def test_serve_stage_refuses_a_split_that_does_not_chain_before_joining(tmp_path
     assert "stages 0 and 1 do not chain" in done.stderr
     done = run_cli("--module", str(MODULE), "--pipeline", "p", "--stage", "3")
     assert done.returncode == 2 and "--stage must be in [0, 3), got 3" in done.stderr
+    done = run_cli(
+        "--module", str(MODULE), "--pipeline", "p", "--stage", "0", "--activation-cache-mb", "-1"
+    )  # fmt: skip
+    assert done.returncode == 2 and "--activation-cache-mb must be 0 or more" in done.stderr
+
+
+def test_serve_stage_options_reach_the_peer_options():
+    import argparse
+
+    from swarmgrad.cli import serve_stage_command
+
+    parser = argparse.ArgumentParser()
+    serve_stage_command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["serve-stage", "--module", "m.py", "--pipeline", "p", "--stage", "0",
+         "--averaging-mode", "diloco", "--activation-cache-mb", "0", "--average-period", "5",
+         "--rebalance-interval", "7"]
+    )  # fmt: skip
+    options = serve_stage_command._options(args)
+    assert options.training.mode == "diloco" and options.training.average_period == 5
+    assert options.server.activation_cache_bytes == 0
+    assert options.rebalance.interval == 7
+    args.average_period = 0
+    assert serve_stage_command._options(args).training is None

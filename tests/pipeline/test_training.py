@@ -16,6 +16,7 @@ from swarmgrad.pipeline.peer import StagePeer, StagePeerOptions, read_stage_load
 from swarmgrad.pipeline.rebalance import RebalanceOptions
 from swarmgrad.pipeline.server import StageServerOptions
 from swarmgrad.pipeline.training import StageAverager, StageTrainingOptions
+from swarmgrad.utils.errors import ValidationError
 from tests.helpers.pipeline import PipelineSwarm, make_backend
 
 TRAINING = StageTrainingOptions(
@@ -56,6 +57,57 @@ def test_the_peers_of_a_stage_average_their_parameters(swarm):
     finally:
         for averager in averagers:
             averager.shutdown()
+
+
+def test_in_diloco_mode_the_peers_of_a_stage_step_their_anchor_by_the_mean_pseudo_gradient(
+    swarm,
+):
+    name = swarm.new_name()
+    servers = []
+    for _ in range(2):
+        torch.manual_seed(0)  # the same initial weights: the anchor of both peers
+        servers.append(swarm.serve(name, 0, 1, nn.Linear(4, 4), 4))
+    anchor = [p.detach().clone() for p in servers[0].backend.module.parameters()]
+    options = StageTrainingOptions(
+        average_period=60, averaging_timeout=30, min_matchmaking_time=1.0, mode="diloco",
+        outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+    )  # fmt: skip
+    averagers = [StageAverager(s.dht, name, 0, s.backend, options) for s in servers]
+    try:
+        with torch.no_grad():  # local steps: each peer moved its own way since the anchor
+            for k, server in enumerate(servers):
+                for p in server.backend.module.parameters():
+                    p.add_(torch.full_like(p, 1.0 + k))
+        moved = [[p.detach().clone() for p in s.backend.module.parameters()] for s in servers]
+        results = [None, None]
+
+        def run(i):
+            results[i] = averagers[i].average_once()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [True, True]
+        for i, start in enumerate(anchor):
+            pseudo_gradient = ((start - moved[0][i]) + (start - moved[1][i])) / 2
+            expected = start - 0.5 * pseudo_gradient  # outer SGD, lr 0.5
+            for server in servers:
+                param = list(server.backend.module.parameters())[i]
+                torch.testing.assert_close(param.detach(), expected)
+            for averager in averagers:
+                torch.testing.assert_close(averager._anchor[i], expected)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def test_bad_stage_training_options_are_refused_naming_them():
+    with pytest.raises(ValidationError, match="mode must be one of"):
+        StageTrainingOptions(mode="gradients")
+    with pytest.raises(ValidationError, match="outer_optimizer needs"):
+        StageTrainingOptions(outer_optimizer=lambda params: torch.optim.SGD(params, lr=1))
 
 
 def test_a_joining_peer_downloads_parameters_and_optimizer_state(swarm):
