@@ -29,6 +29,7 @@ down (``--small``: 3 trainers, 3 minutes per run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -100,6 +101,12 @@ class Peer:
     def kept_epoch(self) -> int | None:
         kept = [e["epoch"] for e in self.events if e["event"] == "kept"]
         return max(kept, default=None)
+
+
+def resume(pid: int) -> None:
+    """SIGCONT to a paused trainer, unless it was killed (and restarted) meanwhile."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 def proc_figures(pid: int) -> dict | None:
@@ -281,7 +288,7 @@ def run(
                 elif action == "pause" and victim.alive():
                     victim.popen.send_signal(signal.SIGSTOP)
                     pid = victim.popen.pid
-                    threading.Timer(15 * args.pace, os.kill, (pid, signal.SIGCONT)).start()
+                    threading.Timer(15 * args.pace, resume, (pid,)).start()
                 elif action == "link":
                     if cutter.available and victim.alive():
                         try:
