@@ -299,14 +299,22 @@ class Connection(asyncio.BufferedProtocol):
                 )
         self._send_control(frame_type, stream_id, payload)
 
-    def _send_data(self, stream_id: int, payload: memoryview | bytes, *, fin: bool) -> None:
+    def _send_data(
+        self, stream_id: int, payload: memoryview | bytes, *, fin: bool
+    ) -> asyncio.Future | None:
+        """Send one DATA frame; a future when the transport still reads ``payload`` on a
+        worker thread (the writer must not reuse its buffer until it resolves)."""
         if self._dead:
-            return
+            return None
         header = framing.encode_header(FrameType.DATA, stream_id, len(payload), FLAG_FIN * fin)
         if len(payload) <= _SMALL_PAYLOAD:
             self.transport.write(header + bytes(payload))
-        else:
-            self.transport.writelines((header, payload))
+            return None
+        write_buffers = getattr(self.transport, "write_buffers", None)
+        if write_buffers is not None:
+            return write_buffers((header, payload))
+        self.transport.writelines((header, payload))
+        return None
 
     def _end_of_message(self) -> None:
         """A stream finished writing: let a corking transport send now, not next tick."""

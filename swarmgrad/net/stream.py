@@ -261,36 +261,45 @@ class Stream:
 
     async def write(self, data: bytes | bytearray | memoryview, *, fin: bool = False) -> None:
         """Send data, waiting for credit and for the transport; the buffer is not copied
-        in Python and may be reused once this returns. ``fin=True`` closes the writing
-        direction with the last frame (one frame less than write + close_write)."""
+        in Python and may be reused once this returns (or raises: a write cancelled
+        while a worker thread still seals its bytes waits for that worker first).
+        ``fin=True`` closes the writing direction with the last frame (one frame less
+        than write + close_write)."""
         view = memoryview(data).cast("B")
         conn = self.conn
         if fin and not len(view):
             await self.close_write()
             return
-        while len(view):
-            if self._error is not None:
-                raise self._error
-            if self._send_fin:
-                raise ConnectionClosed(f"stream {self.stream_id} was closed for writing")
-            if self._send_credit <= 0:
-                self._credit_waiter = conn._loop.create_future()
-                try:
-                    await self._credit_waiter
-                finally:
-                    self._credit_waiter = None
-                continue
-            if conn._write_paused or conn._dead:
-                await conn._wait_writable()
+        sealing: list[asyncio.Future] = []
+        try:
+            while len(view):
                 if self._error is not None:
                     raise self._error
-            n = min(len(view), self._send_credit, conn._remote_max_frame)
-            self._send_credit -= n
-            last = fin and n == len(view)
-            if last:
-                self._send_fin = True
-            conn._send_data(self.stream_id, view[:n], fin=last)
-            view = view[n:]
+                if self._send_fin:
+                    raise ConnectionClosed(f"stream {self.stream_id} was closed for writing")
+                if self._send_credit <= 0:
+                    self._credit_waiter = conn._loop.create_future()
+                    try:
+                        await self._credit_waiter
+                    finally:
+                        self._credit_waiter = None
+                    continue
+                if conn._write_paused or conn._dead:
+                    await conn._wait_writable()
+                    if self._error is not None:
+                        raise self._error
+                n = min(len(view), self._send_credit, conn._remote_max_frame)
+                self._send_credit -= n
+                last = fin and n == len(view)
+                if last:
+                    self._send_fin = True
+                released = conn._send_data(self.stream_id, view[:n], fin=last)
+                if released is not None:
+                    sealing.append(released)
+                view = view[n:]
+        finally:
+            if sealing:
+                await _until_released(sealing)
         if fin:
             conn._end_of_message()
             conn._maybe_forget(self)
@@ -329,6 +338,22 @@ class Stream:
         if not self._recv_fin and self._error is None:
             self.reset("closed by the application before the remote finished")
         self.conn._maybe_forget(self)
+
+
+async def _until_released(futures: list[asyncio.Future]) -> None:
+    """Wait until worker threads let go of a write's buffers, even when cancelled (the
+    caller may free or reuse them as soon as we return); a cancellation is raised after.
+    Sealing a record takes about a millisecond, so the wait is short and bounded."""
+    cancelled = False
+    pending = [f for f in futures if not f.done()]
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+        pending = [f for f in pending if not f.done()]
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 __all__ = ["Stream"]
