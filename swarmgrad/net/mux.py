@@ -179,6 +179,14 @@ class Connection(asyncio.BufferedProtocol):
             return memoryview(self._payload_buf)[self._payload_buf_filled :]
         return self._scratch_view[self._filled :]
 
+    def hold_buffer(self, released: asyncio.Future) -> None:
+        """The bytes for the buffer :meth:`get_buffer` just gave are written into it on a
+        worker thread until ``released`` resolves: a reader that waits there must not
+        let go of its buffer before (see :meth:`Stream.readexactly_into`)."""
+        stream = self._payload_stream
+        if self._payload_left and self._payload_direct and stream is not None:
+            stream._hold_target(released)
+
     def buffer_updated(self, nbytes: int) -> None:
         if self._dead:
             return

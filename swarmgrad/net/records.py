@@ -190,11 +190,27 @@ class Opener:
     ) -> None:
         """Decrypt ``sealed`` (len(out) + 16 bytes) into ``out``; ProtocolViolation if the
         record was forged, altered, replayed or reordered. ``out`` is garbage on error."""
-        nonce = _NONCE_PREFIX + self._counter.to_bytes(8, "big")
+        self.open_reserved(self.reserve(), prefix, sealed, out)
+
+    def reserve(self) -> int:
+        """The number of the next record, taken now (records are numbered in the order
+        they arrive) so that :meth:`open_reserved` may run later, on another thread."""
+        number = self._counter
+        self._counter += 1
+        return number
+
+    def open_reserved(
+        self,
+        number: int,
+        prefix: bytes | bytearray | memoryview,
+        sealed: bytes | bytearray | memoryview,
+        out: memoryview,
+    ) -> None:
+        """:meth:`open_into` for record ``number`` from :meth:`reserve`; thread-safe."""
+        nonce = _NONCE_PREFIX + number.to_bytes(8, "big")
         try:
             self._aead.decrypt_into(nonce, sealed, prefix, out)
         except Exception:  # cryptography raises InvalidTag
             raise ProtocolViolation(
-                f"record {self._counter} failed authentication (forged, altered or out of order)"
+                f"record {number} failed authentication (forged, altered or out of order)"
             ) from None
-        self._counter += 1

@@ -161,7 +161,10 @@ class TLSLayer(asyncio.BufferedProtocol):
             self._traffic.received += nbytes
         if self._mode is _Mode.FAST:
             self._rx_filled += nbytes
-            self._open_records()
+            if self._opening is None:
+                self._open_records()
+            else:  # a worker opens a record in place: keep the bytes, parse them after
+                self._pause_if_full()
             return
         self._incoming.write(self._rx_view[:nbytes])
         if nbytes == len(self._rx) and len(self._rx) < _MAX_TLS_RX_BUFFER:  # busy: grow
@@ -331,10 +334,12 @@ class TLSLayer(asyncio.BufferedProtocol):
             if future is not None and future.done() and not released.done():
                 released.set_result(None)
         while self._sealing:
-            job, future, _ = self._sealing[0]
+            job, future, released = self._sealing[0]
             if future is not None and not future.done():
                 break
             self._sealing.popleft()
+            if released is not None and not released.done():  # it finished just now
+                released.set_result(None)
             self._sealing_bytes -= job.nbytes
             if future is not None and future.exception() is not None:
                 self._abort_with(future.exception())
@@ -483,6 +488,15 @@ class TLSLayer(asyncio.BufferedProtocol):
                 size = length - records.TAG_SIZE
                 target = memoryview(upper.get_buffer(size))
                 if len(target) >= size:  # straight into the reader's memory
+                    pool = None
+                    if size >= workers.OFFLOAD_MIN and self._extra.get("socket") is not None:
+                        # (a socket: its reading can pause while the buffer is pinned)
+                        pool = workers.pool()
+                    if pool is not None:
+                        self._open_on_worker(pool, prefix, view[body : body + length], target)
+                        self._rx_start, self._rx_filled = body + length, end
+                        self._pause_if_full()
+                        return  # the rest waits, in place, until the worker is done
                     opener.open_into(prefix, view[body : body + length], target[:size])
                     upper.buffer_updated(size)
                 else:
@@ -503,6 +517,60 @@ class TLSLayer(asyncio.BufferedProtocol):
             view[: end - pos] = view[pos:end]
             pos, end = 0, end - pos
         self._rx_start, self._rx_filled = pos, end
+
+    def _open_on_worker(
+        self, pool: Any, prefix: memoryview, sealed: memoryview, target: memoryview
+    ) -> None:
+        """Open one record on a worker thread, straight into the reader's memory. Until
+        it is done the record's ciphertext stays where it is (nothing is parsed or moved)
+        and the upper protocol hears nothing; the reader is told (``hold_buffer``) to
+        keep its buffer until the worker let go of it, even if it gives up reading."""
+        size = len(sealed) - records.TAG_SIZE
+        number = self._opener.reserve()
+        released = self._loop.create_future()
+        hold = getattr(self._upper, "hold_buffer", None)
+        if hold is not None:
+            hold(released)
+        future = pool.submit(
+            self._opener.open_reserved, number, bytes(prefix), sealed, target[:size]
+        )
+        self._opening, self._opening_size = (future, released), size
+        future.add_done_callback(self._opened_on_worker)
+
+    def _opened_on_worker(self, _future: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            self._loop.call_soon_threadsafe(self._deliver_opened)
+
+    def _deliver_opened(self) -> None:
+        """The loop, after a worker opened a record: hand it to the upper protocol (or
+        close the connection with the reason it failed), then go on parsing."""
+        (future, released), self._opening = self._opening, None
+        if not released.done():
+            released.set_result(None)
+        error = future.exception()
+        if error is not None:  # e.g. its tag failed: nothing was delivered to anyone
+            self._abort_with(error)
+            return
+        if self._upper_lost:
+            return
+        self._upper.buffer_updated(self._opening_size)
+        if self._paused_for_opening and self._lower is not None:
+            self._paused_for_opening = False
+            self._lower.resume_reading()
+        if self._opening is None and not self._upper_lost:
+            self._open_records()
+
+    def _pause_if_full(self) -> None:
+        """While a worker opens a record in place, the receive buffer cannot move or be
+        compacted: once it is full, stop reading the socket until the worker is done."""
+        if (
+            self._opening is not None
+            and self._rx_filled == len(self._rx)
+            and not self._paused_for_opening
+            and self._lower is not None
+        ):
+            self._paused_for_opening = True
+            self._lower.pause_reading()
 
     def _open_in_pieces(self, prefix: memoryview, sealed: memoryview, size: int) -> None:
         if self._plain is None or len(self._plain) < size:

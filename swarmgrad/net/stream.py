@@ -55,6 +55,7 @@ class Stream:
         self._target: memoryview | None = None  # readexactly_into destination
         self._target_filled = 0
         self._progress: Callable[[int], None] | None = None  # readexactly_into's callback
+        self._target_hold: asyncio.Future | None = None  # a worker still writes into _target
         self._recv_credit = conn._local_window  # bytes the remote may still send
         self._consumed_since_grant = 0
         self._send_credit = initial_credit
@@ -83,7 +84,13 @@ class Stream:
     def _on_direct_bytes(self, n: int) -> None:
         """n bytes were received straight into the waiting reader's buffer."""
         self._count_received(n)
+        if self._target is None:  # the reader gave up while a worker filled its buffer
+            self._consume(n)
+            return
         self._on_direct_progress(n)
+
+    def _hold_target(self, released: asyncio.Future) -> None:
+        self._target_hold = released
 
     def _on_data(self, data: memoryview) -> None:
         """Payload bytes that arrived for this stream (already owned by us)."""
@@ -242,6 +249,9 @@ class Stream:
         finally:
             self._target = None
             self._progress = None
+            hold, self._target_hold = self._target_hold, None
+            if hold is not None and not hold.done():  # a worker still writes into buffer
+                await _until_released([hold])
 
     async def readexactly(self, n: int) -> bytes | bytearray:
         if self._chunks and len(self._chunks[0]) >= n:  # fast path: already buffered
