@@ -24,9 +24,10 @@ import concurrent.futures
 import os
 import threading
 
-__all__ = ["ENV", "OFFLOAD_MIN", "configured_threads", "pool", "set_threads"]
+__all__ = ["ENV", "OFFLOAD_MIN", "THREAD_PREFIX", "configured_threads", "pool", "set_threads"]
 
 ENV = "SWARMGRAD_DATA_THREADS"
+THREAD_PREFIX = "swarmgrad-data"
 OFFLOAD_MIN = 256 * 1024
 MAX_DEFAULT_THREADS = 4
 
@@ -78,7 +79,7 @@ def pool() -> concurrent.futures.ThreadPoolExecutor | None:
             _threads = configured_threads()
         if _threads and _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=_threads, thread_name_prefix="swarmgrad-data"
+                max_workers=_threads, thread_name_prefix=THREAD_PREFIX
             )
         return _pool
 
