@@ -79,6 +79,15 @@ class Sealer:
         job.run()
         return job.buffers
 
+    def seal_small(self, plaintext: bytes | bytearray | memoryview) -> bytes:
+        """One record for a plaintext shorter than POOLED_RECORD_MIN: the short path of
+        RPC-sized writes (no job, no buffer bookkeeping)."""
+        prefix = LENGTH.pack(len(plaintext) + TAG_SIZE)
+        nonce = _NONCE_PREFIX + self._counter.to_bytes(8, "big")
+        self._counter += 1
+        self._sealed_bytes += LENGTH.size + len(plaintext) + TAG_SIZE
+        return prefix + self._aead.encrypt(nonce, plaintext, prefix)
+
     def prepare(self, *plaintexts: bytes | bytearray | memoryview) -> SealJob:
         """Reserve the records of the plaintexts (their nonces, in order, and the buffer
         they go to) without encrypting them; :meth:`SealJob.run` encrypts, on any thread.

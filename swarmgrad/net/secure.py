@@ -204,7 +204,7 @@ class TLSLayer(asyncio.BufferedProtocol):
     # ---------------------------------------------------------------- upper transport side
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.writelines((data,))
+        self.write_buffers((data,))
 
     def writelines(self, buffers: Any) -> None:
         self.write_buffers(buffers)
@@ -219,7 +219,7 @@ class TLSLayer(asyncio.BufferedProtocol):
             return None
         released = None
         for data in buffers:
-            size = memoryview(data).nbytes
+            size = len(data)  # (bytes, or memoryviews cast to bytes: the mux's writes)
             if size < _CORK_LIMIT:
                 if self._corked_size + size > _CORK_LIMIT:
                     self._seal_corked()
@@ -292,6 +292,17 @@ class TLSLayer(asyncio.BufferedProtocol):
             lower = self._lower
             if lower is None or lower.is_closing():
                 return None
+            if len(plaintexts) == 1 and len(plaintexts[0]) < records.POOLED_RECORD_MIN:
+                # RPC-sized: sealed inline, as cheaply as possible
+                record = self._sealer.seal_small(plaintexts[0])
+                if self._sealing:  # earlier records are still on worker threads
+                    job = records.SealJob(None, len(record))
+                    job.buffers.append(record)
+                    self._sealing.append((job, None, None))
+                    self._sealing_bytes += job.nbytes
+                else:
+                    self._write_sealed((record,))
+                return None
             # buffers of records reserved but not yet written are not free either
             self._sealer.release(lower.get_write_buffer_size() + self._sealing_bytes)
             job = self._sealer.prepare(*plaintexts)
@@ -355,13 +366,14 @@ class TLSLayer(asyncio.BufferedProtocol):
             if self._lower is not None:
                 self._lower.close()
 
-    def _write_sealed(self, buffers: list[bytes | memoryview]) -> None:
+    def _write_sealed(self, buffers: Any) -> None:
         lower = self._lower
         if self._outgoing.pending:  # our TLS Finished and share go first, together
             buffers = [self._outgoing.read(), *buffers]
-        if self._traffic is not None:
-            self._traffic.sent += sum(len(b) for b in buffers)
+        traffic = self._traffic
         for buffer in buffers:  # one by one: the stdlib's writelines joins them (a copy)
+            if traffic is not None:
+                traffic.sent += len(buffer)
             lower.write(buffer)
 
     def _take_corked(self) -> list[bytes]:
