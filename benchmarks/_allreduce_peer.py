@@ -81,6 +81,7 @@ def perf_worker(rank: int, world: int, conn, gloo_port: int, options: dict[str, 
                 [tensor],
                 part_size_bytes=options["part_size_bytes"],
                 timeout=120.0,
+                compression=options.get("compression", "none"),
             )
             started, cpu = time.perf_counter(), time.process_time()
             result = run_coroutine(runner.run())

@@ -97,6 +97,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--part-size-bytes", type=int, default=None)
     parser.add_argument("--no-gloo", action="store_true", help="ours only (for profiling)")
+    parser.add_argument(
+        "--compression",
+        choices=["none", "uniform_8bit"],
+        default="none",
+        help="our wire codec (gloo always sends float32); uniform_8bit: 8-bit quantized",
+    )
     args = parser.parse_args()
     from swarmgrad.averaging.allreduce.partition import DEFAULT_PART_SIZE_BYTES
 
@@ -106,13 +112,14 @@ def main() -> None:
         "warmup": args.warmup,
         "part_size_bytes": args.part_size_bytes or DEFAULT_PART_SIZE_BYTES,
         "no_gloo": args.no_gloo,
+        "compression": args.compression,
     }
     started = time.time()
     results = []
     print(
         f"all-reduce of {args.numel:,} float32 per peer, encrypted loopback; median of "
         f"{args.rounds} rounds (slowest member per round); parts of "
-        f"{options['part_size_bytes']:,} bytes"
+        f"{options['part_size_bytes']:,} bytes; our codec: {args.compression}"
     )
     print(f"{'peers':>5} {'ours s':>8} {'gloo s':>8} {'ratio':>6}  max |ours - gloo|")
     for world in args.peers:
@@ -131,7 +138,10 @@ def main() -> None:
         print(f"      ours rounds: {result['ours_rounds']}")
         print(f"      gloo rounds: {result['gloo_rounds']}")
     print(f"total wall time {time.time() - started:.0f} s")
-    summary = [{k: r[k] for k in ("peers", "ours_s", "gloo_s", "ratio")} for r in results]
+    summary = [
+        {**{k: r[k] for k in ("peers", "ours_s", "gloo_s", "ratio")}, "codec": args.compression}
+        for r in results
+    ]
     print(json.dumps({"results": summary}))
 
 

@@ -9,6 +9,8 @@ import threading
 
 import pytest
 
+from swarmgrad.net.workers import THREAD_PREFIX as DATA_THREAD_PREFIX
+
 
 def _open_fds() -> int:
     return len(os.listdir(f"/proc/{os.getpid()}/fd")) if os.path.isdir("/proc/self/fd") else 0
@@ -35,7 +37,13 @@ def run_checked(main, *, timeout: float = 60.0):
     assert not leftovers, f"tasks left running: {leftovers}"
     gc.collect()
     new_threads = [
-        t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
+        t
+        for t in threading.enumerate()
+        if t.ident not in threads_before
+        and t.is_alive()
+        # the data path's worker threads are one bounded pool per process, kept for
+        # the process's life (swarmgrad.net.workers), not one per test
+        and not t.name.startswith(DATA_THREAD_PREFIX)
     ]
     assert not new_threads, f"threads left running: {new_threads}"
     assert _open_fds() <= fds_before, f"file descriptors leaked: {fds_before} -> {_open_fds()}"

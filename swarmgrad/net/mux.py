@@ -179,6 +179,14 @@ class Connection(asyncio.BufferedProtocol):
             return memoryview(self._payload_buf)[self._payload_buf_filled :]
         return self._scratch_view[self._filled :]
 
+    def hold_buffer(self, released: asyncio.Future) -> None:
+        """The bytes for the buffer :meth:`get_buffer` just gave are written into it on a
+        worker thread until ``released`` resolves: a reader that waits there must not
+        let go of its buffer before (see :meth:`Stream.readexactly_into`)."""
+        stream = self._payload_stream
+        if self._payload_left and self._payload_direct and stream is not None:
+            stream._hold_target(released)
+
     def buffer_updated(self, nbytes: int) -> None:
         if self._dead:
             return
@@ -299,14 +307,22 @@ class Connection(asyncio.BufferedProtocol):
                 )
         self._send_control(frame_type, stream_id, payload)
 
-    def _send_data(self, stream_id: int, payload: memoryview | bytes, *, fin: bool) -> None:
+    def _send_data(
+        self, stream_id: int, payload: memoryview | bytes, *, fin: bool
+    ) -> asyncio.Future | None:
+        """Send one DATA frame; a future when the transport still reads ``payload`` on a
+        worker thread (the writer must not reuse its buffer until it resolves)."""
         if self._dead:
-            return
+            return None
         header = framing.encode_header(FrameType.DATA, stream_id, len(payload), FLAG_FIN * fin)
         if len(payload) <= _SMALL_PAYLOAD:
             self.transport.write(header + bytes(payload))
-        else:
-            self.transport.writelines((header, payload))
+            return None
+        write_buffers = getattr(self.transport, "write_buffers", None)
+        if write_buffers is not None:
+            return write_buffers((header, payload))
+        self.transport.writelines((header, payload))
+        return None
 
     def _end_of_message(self) -> None:
         """A stream finished writing: let a corking transport send now, not next tick."""

@@ -72,25 +72,64 @@ class Sealer:
         self._in_flight: collections.deque[tuple[int, bytearray]] = collections.deque()
         self._spare: list[bytearray] = []
 
-    def seal(self, plaintext: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
-        """Records for plaintext (split at MAX_RECORD_PLAINTEXT), as buffers to write."""
-        view = memoryview(plaintext).cast("B")
-        out: list[bytes | memoryview] = []
-        for start in range(0, len(view), MAX_RECORD_PLAINTEXT):
-            chunk = view[start : start + MAX_RECORD_PLAINTEXT]
-            prefix = LENGTH.pack(len(chunk) + TAG_SIZE)
-            nonce = _NONCE_PREFIX + self._counter.to_bytes(8, "big")
-            self._counter += 1
+    def seal(self, *plaintexts: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
+        """Records for the plaintexts (each split at MAX_RECORD_PLAINTEXT), as buffers to
+        write in order. Consecutive records share one buffer (see :meth:`prepare`)."""
+        job = self.prepare(*plaintexts)
+        job.run()
+        return job.buffers
+
+    def seal_small(self, plaintext: bytes | bytearray | memoryview) -> bytes:
+        """One record for a plaintext shorter than POOLED_RECORD_MIN: the short path of
+        RPC-sized writes (no job, no buffer bookkeeping)."""
+        prefix = LENGTH.pack(len(plaintext) + TAG_SIZE)
+        nonce = _NONCE_PREFIX + self._counter.to_bytes(8, "big")
+        self._counter += 1
+        self._sealed_bytes += LENGTH.size + len(plaintext) + TAG_SIZE
+        return prefix + self._aead.encrypt(nonce, plaintext, prefix)
+
+    def prepare(self, *plaintexts: bytes | bytearray | memoryview) -> SealJob:
+        """Reserve the records of the plaintexts (their nonces, in order, and the buffer
+        they go to) without encrypting them; :meth:`SealJob.run` encrypts, on any thread.
+
+        All records of one call go into one contiguous buffer, so a frame header's small
+        record and its payload's large one leave in a single write without being joined
+        (the stdlib's ``writelines`` joins, a copy of every byte, before Python 3.12)."""
+        chunks = []
+        for plaintext in plaintexts:
+            view = memoryview(plaintext).cast("B")
+            chunks.extend(
+                view[start : start + MAX_RECORD_PLAINTEXT]
+                for start in range(0, len(view), MAX_RECORD_PLAINTEXT)
+            )
+        total = sum(LENGTH.size + len(chunk) + TAG_SIZE for chunk in chunks)
+        job = SealJob(self._aead, total)
+        if total < POOLED_RECORD_MIN:  # small: sealed now, fresh bytes
+            sealed = []
+            for chunk in chunks:
+                prefix = LENGTH.pack(len(chunk) + TAG_SIZE)
+                sealed += (prefix, self._aead.encrypt(self._next_nonce(), chunk, prefix))
+            if sealed:
+                job.buffers.append(b"".join(sealed))
+            self._sealed_bytes += total
+            return job
+        self._sealed_bytes += total
+        out = memoryview(self._take(total))[:total]
+        pos = 0
+        for chunk in chunks:
             size = LENGTH.size + len(chunk) + TAG_SIZE
-            self._sealed_bytes += size
-            if len(chunk) < POOLED_RECORD_MIN:
-                out.append(prefix + self._aead.encrypt(nonce, chunk, prefix))
-                continue
-            record = memoryview(self._take(size))[:size]
-            record[: LENGTH.size] = prefix
-            self._aead.encrypt_into(nonce, chunk, prefix, record[LENGTH.size :])
-            out.append(record)
-        return out
+            prefix = LENGTH.pack(len(chunk) + TAG_SIZE)
+            out[pos : pos + LENGTH.size] = prefix
+            body = out[pos + LENGTH.size : pos + size]
+            job.items.append((self._next_nonce(), chunk, prefix, body))
+            pos += size
+        job.buffers.append(out)
+        return job
+
+    def _next_nonce(self) -> bytes:
+        nonce = _NONCE_PREFIX + self._counter.to_bytes(8, "big")
+        self._counter += 1
+        return nonce
 
     def release(self, still_buffered: int) -> None:
         """The transport still holds the last ``still_buffered`` bytes written: buffers
@@ -112,6 +151,27 @@ class Sealer:
             self._in_flight.popleft()  # oldest, the transport frees it when written
         self._in_flight.append((self._sealed_bytes, buffer))
         return buffer
+
+
+class SealJob:
+    """Records reserved by :meth:`Sealer.prepare`: ``buffers`` holds them once
+    :meth:`run` returned. ``run`` touches only the plaintext and the job's own buffer,
+    so it may run on a worker thread (AES-GCM releases the GIL) while the event loop
+    reserves the next job; the records must still be written in reservation order."""
+
+    __slots__ = ("_aead", "buffers", "items", "nbytes")
+
+    def __init__(self, aead: AESGCM, nbytes: int):
+        self._aead = aead
+        self.nbytes = nbytes  # bytes of all its records
+        self.items: list[tuple[bytes, memoryview, bytes, memoryview]] = []
+        self.buffers: list[bytes | memoryview] = []
+
+    def run(self) -> None:
+        encrypt_into = self._aead.encrypt_into
+        for nonce, chunk, prefix, out in self.items:
+            encrypt_into(nonce, chunk, prefix, out)
+        self.items = []  # let go of the plaintext
 
 
 class Opener:
@@ -139,11 +199,27 @@ class Opener:
     ) -> None:
         """Decrypt ``sealed`` (len(out) + 16 bytes) into ``out``; ProtocolViolation if the
         record was forged, altered, replayed or reordered. ``out`` is garbage on error."""
-        nonce = _NONCE_PREFIX + self._counter.to_bytes(8, "big")
+        self.open_reserved(self.reserve(), prefix, sealed, out)
+
+    def reserve(self) -> int:
+        """The number of the next record, taken now (records are numbered in the order
+        they arrive) so that :meth:`open_reserved` may run later, on another thread."""
+        number = self._counter
+        self._counter += 1
+        return number
+
+    def open_reserved(
+        self,
+        number: int,
+        prefix: bytes | bytearray | memoryview,
+        sealed: bytes | bytearray | memoryview,
+        out: memoryview,
+    ) -> None:
+        """:meth:`open_into` for record ``number`` from :meth:`reserve`; thread-safe."""
+        nonce = _NONCE_PREFIX + number.to_bytes(8, "big")
         try:
             self._aead.decrypt_into(nonce, sealed, prefix, out)
         except Exception:  # cryptography raises InvalidTag
             raise ProtocolViolation(
-                f"record {self._counter} failed authentication (forged, altered or out of order)"
+                f"record {number} failed authentication (forged, altered or out of order)"
             ) from None
-        self._counter += 1

@@ -29,13 +29,15 @@ and one syscall.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import enum
 import logging
 import os
 import ssl
 from typing import Any
 
-from swarmgrad.net import records
+from swarmgrad.net import records, workers
 from swarmgrad.net.tls import BOUND_HANDSHAKE_ALPNS, FAST_RECORDS_ALPN, certificate_identity
 from swarmgrad.utils.errors import HandshakeError, SwarmgradError
 
@@ -126,6 +128,17 @@ class TLSLayer(asyncio.BufferedProtocol):
         self._peer_share = b""
         self._sealer: records.Sealer | None = None
         self._opener: records.Opener | None = None
+        # FAST mode, records sealed on worker threads: (job, its future or None when it
+        # was sealed inline, the loop future resolved once the job let go of its
+        # plaintext), written to the lower transport strictly in this order
+        self._sealing: collections.deque[tuple[Any, Any, Any]] = collections.deque()
+        self._sealing_bytes = 0
+        self._close_when_sealed = False
+        # FAST mode, a record opened on a worker thread: its future and plaintext size;
+        # no later record is parsed (and the ciphertext stays put) until it is delivered
+        self._opening: Any = None
+        self._opening_size = 0
+        self._paused_for_opening = False
 
     # ---------------------------------------------------------------- lower protocol side
 
@@ -148,7 +161,10 @@ class TLSLayer(asyncio.BufferedProtocol):
             self._traffic.received += nbytes
         if self._mode is _Mode.FAST:
             self._rx_filled += nbytes
-            self._open_records()
+            if self._opening is None:
+                self._open_records()
+            else:  # a worker opens a record in place: keep the bytes, parse them after
+                self._pause_if_full()
             return
         self._incoming.write(self._rx_view[:nbytes])
         if nbytes == len(self._rx) and len(self._rx) < _MAX_TLS_RX_BUFFER:  # busy: grow
@@ -188,27 +204,37 @@ class TLSLayer(asyncio.BufferedProtocol):
     # ---------------------------------------------------------------- upper transport side
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.writelines((data,))
+        self.write_buffers((data,))
 
     def writelines(self, buffers: Any) -> None:
+        self.write_buffers(buffers)
+
+    def write_buffers(self, buffers: Any) -> asyncio.Future | None:
+        """``writelines`` that may seal on a worker thread: returns None when every
+        buffer was consumed, else a future that resolves once the worker let go of them
+        (the caller must not reuse its buffers before). A buffer of at least the cork
+        limit is sealed together with the small writes corked before it (a frame header):
+        one write to the socket, no join."""
         if self._closing:
-            return
+            return None
+        released = None
         for data in buffers:
-            size = len(data)
+            size = len(data)  # (bytes, or memoryviews cast to bytes: the mux's writes)
             if size < _CORK_LIMIT:
                 if self._corked_size + size > _CORK_LIMIT:
                     self._seal_corked()
                 self._corked.append(bytes(data))
                 self._corked_size += size
             else:
-                self._seal_corked()
-                self._seal(data)
+                corked = self._take_corked()
+                released = self._seal(*corked, data) or released
         if self._corked:
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon(self._flush_corked)
         else:
             self._flush()
+        return released
 
     def flush(self) -> None:
         """Seal and send corked writes now (the upper protocol finished a message)."""
@@ -221,6 +247,9 @@ class TLSLayer(asyncio.BufferedProtocol):
             return
         if self._ready:
             self._seal_corked()
+            if self._sealing:  # records still on worker threads: close once written
+                self._closing = self._close_when_sealed = True
+                return
             if self._sealer is None:
                 try:
                     self._ssl.unwrap()  # queue close_notify
@@ -249,7 +278,7 @@ class TLSLayer(asyncio.BufferedProtocol):
         self._lower.resume_reading()
 
     def get_write_buffer_size(self) -> int:
-        return self._lower.get_write_buffer_size()
+        return self._lower.get_write_buffer_size() + self._sealing_bytes
 
     # ---------------------------------------------------------------- sending
 
@@ -257,29 +286,107 @@ class TLSLayer(asyncio.BufferedProtocol):
     def _ready(self) -> bool:
         return self._connected
 
-    def _seal(self, data: bytes | bytearray | memoryview) -> None:
+    def _seal(self, *plaintexts: bytes | bytearray | memoryview) -> asyncio.Future | None:
+        """Seal and write; a future (see :meth:`write_buffers`) when a worker seals."""
         if self._sealer is not None:
             lower = self._lower
-            if lower is not None and not lower.is_closing():
-                self._sealer.release(lower.get_write_buffer_size())
-                buffers = self._sealer.seal(data)
-                if self._outgoing.pending:  # our TLS Finished and share go first, together
-                    buffers.insert(0, self._outgoing.read())
-                if self._traffic is not None:
-                    self._traffic.sent += sum(len(b) for b in buffers)
-                lower.writelines(buffers)
-            return
+            if lower is None or lower.is_closing():
+                return None
+            if len(plaintexts) == 1 and len(plaintexts[0]) < records.POOLED_RECORD_MIN:
+                # RPC-sized: sealed inline, as cheaply as possible
+                record = self._sealer.seal_small(plaintexts[0])
+                if self._sealing:  # earlier records are still on worker threads
+                    job = records.SealJob(None, len(record))
+                    job.buffers.append(record)
+                    self._sealing.append((job, None, None))
+                    self._sealing_bytes += job.nbytes
+                else:
+                    self._write_sealed((record,))
+                return None
+            # buffers of records reserved but not yet written are not free either
+            self._sealer.release(lower.get_write_buffer_size() + self._sealing_bytes)
+            job = self._sealer.prepare(*plaintexts)
+            pool = workers.pool() if job.nbytes >= workers.OFFLOAD_MIN else None
+            if pool is not None:
+                released = self._loop.create_future()
+                try:
+                    future = pool.submit(job.run)
+                except RuntimeError:  # the pool was shut down (interpreter exit)
+                    pool = None
+                else:
+                    entry = (job, future, released)
+                    self._sealing.append(entry)
+                    self._sealing_bytes += job.nbytes
+                    future.add_done_callback(self._sealed_on_worker)
+                    return released
+            job.run()
+            if self._sealing:  # earlier records are still on worker threads: after them
+                self._sealing.append((job, None, None))
+                self._sealing_bytes += job.nbytes
+            else:
+                self._write_sealed(job.buffers)
+            return None
         try:
-            self._ssl.write(data)
+            for data in plaintexts:
+                self._ssl.write(data)
         except ssl.SSLError as e:
             self._abort_with(e)
+        return None
+
+    def _sealed_on_worker(self, _future: Any) -> None:
+        """Worker thread: a job finished; the loop writes what is ready, in order."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to write to
+            self._loop.call_soon_threadsafe(self._write_ready)
+
+    def _write_ready(self) -> None:
+        """Write the sealed records at the head of the queue, in order; resolve the
+        futures of every finished job (its plaintext is free even if not yet written)."""
+        for _, future, released in self._sealing:
+            if future is not None and future.done() and not released.done():
+                released.set_result(None)
+        while self._sealing:
+            job, future, released = self._sealing[0]
+            if future is not None and not future.done():
+                break
+            self._sealing.popleft()
+            if released is not None and not released.done():  # it finished just now
+                released.set_result(None)
+            self._sealing_bytes -= job.nbytes
+            if future is not None and future.exception() is not None:
+                self._abort_with(future.exception())
+                return
+            if self._lower is not None and not self._lower.is_closing():
+                self._write_sealed(job.buffers)
+        if not self._sealing and self._close_when_sealed:
+            self._close_when_sealed = False
+            if self._sealer is None:
+                with contextlib.suppress(ssl.SSLError, ssl.SSLWantReadError):
+                    self._ssl.unwrap()
+            self._flush()
+            if self._lower is not None:
+                self._lower.close()
+
+    def _write_sealed(self, buffers: Any) -> None:
+        lower = self._lower
+        if self._outgoing.pending:  # our TLS Finished and share go first, together
+            buffers = [self._outgoing.read(), *buffers]
+        traffic = self._traffic
+        for buffer in buffers:  # one by one: the stdlib's writelines joins them (a copy)
+            if traffic is not None:
+                traffic.sent += len(buffer)
+            lower.write(buffer)
+
+    def _take_corked(self) -> list[bytes]:
+        if not self._corked:
+            return []
+        data = self._corked[0] if len(self._corked) == 1 else b"".join(self._corked)
+        self._corked.clear()
+        self._corked_size = 0
+        return [data]
 
     def _seal_corked(self) -> None:
         if self._corked:
-            data = self._corked[0] if len(self._corked) == 1 else b"".join(self._corked)
-            self._corked.clear()
-            self._corked_size = 0
-            self._seal(data)
+            self._seal(*self._take_corked())
 
     def _flush_corked(self) -> None:
         self._flush_scheduled = False
@@ -393,6 +500,15 @@ class TLSLayer(asyncio.BufferedProtocol):
                 size = length - records.TAG_SIZE
                 target = memoryview(upper.get_buffer(size))
                 if len(target) >= size:  # straight into the reader's memory
+                    pool = None
+                    if size >= workers.OFFLOAD_MIN and self._extra.get("socket") is not None:
+                        # (a socket: its reading can pause while the buffer is pinned)
+                        pool = workers.pool()
+                    if pool is not None:
+                        self._open_on_worker(pool, prefix, view[body : body + length], target)
+                        self._rx_start, self._rx_filled = body + length, end
+                        self._pause_if_full()
+                        return  # the rest waits, in place, until the worker is done
                     opener.open_into(prefix, view[body : body + length], target[:size])
                     upper.buffer_updated(size)
                 else:
@@ -413,6 +529,60 @@ class TLSLayer(asyncio.BufferedProtocol):
             view[: end - pos] = view[pos:end]
             pos, end = 0, end - pos
         self._rx_start, self._rx_filled = pos, end
+
+    def _open_on_worker(
+        self, pool: Any, prefix: memoryview, sealed: memoryview, target: memoryview
+    ) -> None:
+        """Open one record on a worker thread, straight into the reader's memory. Until
+        it is done the record's ciphertext stays where it is (nothing is parsed or moved)
+        and the upper protocol hears nothing; the reader is told (``hold_buffer``) to
+        keep its buffer until the worker let go of it, even if it gives up reading."""
+        size = len(sealed) - records.TAG_SIZE
+        number = self._opener.reserve()
+        released = self._loop.create_future()
+        hold = getattr(self._upper, "hold_buffer", None)
+        if hold is not None:
+            hold(released)
+        future = pool.submit(
+            self._opener.open_reserved, number, bytes(prefix), sealed, target[:size]
+        )
+        self._opening, self._opening_size = (future, released), size
+        future.add_done_callback(self._opened_on_worker)
+
+    def _opened_on_worker(self, _future: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            self._loop.call_soon_threadsafe(self._deliver_opened)
+
+    def _deliver_opened(self) -> None:
+        """The loop, after a worker opened a record: hand it to the upper protocol (or
+        close the connection with the reason it failed), then go on parsing."""
+        (future, released), self._opening = self._opening, None
+        if not released.done():
+            released.set_result(None)
+        error = future.exception()
+        if error is not None:  # e.g. its tag failed: nothing was delivered to anyone
+            self._abort_with(error)
+            return
+        if self._upper_lost:
+            return
+        self._upper.buffer_updated(self._opening_size)
+        if self._paused_for_opening and self._lower is not None:
+            self._paused_for_opening = False
+            self._lower.resume_reading()
+        if self._opening is None and not self._upper_lost:
+            self._open_records()
+
+    def _pause_if_full(self) -> None:
+        """While a worker opens a record in place, the receive buffer cannot move or be
+        compacted: once it is full, stop reading the socket until the worker is done."""
+        if (
+            self._opening is not None
+            and self._rx_filled == len(self._rx)
+            and not self._paused_for_opening
+            and self._lower is not None
+        ):
+            self._paused_for_opening = True
+            self._lower.pause_reading()
 
     def _open_in_pieces(self, prefix: memoryview, sealed: memoryview, size: int) -> None:
         if self._plain is None or len(self._plain) < size:

@@ -55,6 +55,7 @@ class Stream:
         self._target: memoryview | None = None  # readexactly_into destination
         self._target_filled = 0
         self._progress: Callable[[int], None] | None = None  # readexactly_into's callback
+        self._target_hold: asyncio.Future | None = None  # a worker still writes into _target
         self._recv_credit = conn._local_window  # bytes the remote may still send
         self._consumed_since_grant = 0
         self._send_credit = initial_credit
@@ -83,7 +84,13 @@ class Stream:
     def _on_direct_bytes(self, n: int) -> None:
         """n bytes were received straight into the waiting reader's buffer."""
         self._count_received(n)
+        if self._target is None:  # the reader gave up while a worker filled its buffer
+            self._consume(n)
+            return
         self._on_direct_progress(n)
+
+    def _hold_target(self, released: asyncio.Future) -> None:
+        self._target_hold = released
 
     def _on_data(self, data: memoryview) -> None:
         """Payload bytes that arrived for this stream (already owned by us)."""
@@ -242,6 +249,9 @@ class Stream:
         finally:
             self._target = None
             self._progress = None
+            hold, self._target_hold = self._target_hold, None
+            if hold is not None and not hold.done():  # a worker still writes into buffer
+                await _until_released([hold])
 
     async def readexactly(self, n: int) -> bytes | bytearray:
         if self._chunks and len(self._chunks[0]) >= n:  # fast path: already buffered
@@ -261,36 +271,45 @@ class Stream:
 
     async def write(self, data: bytes | bytearray | memoryview, *, fin: bool = False) -> None:
         """Send data, waiting for credit and for the transport; the buffer is not copied
-        in Python and may be reused once this returns. ``fin=True`` closes the writing
-        direction with the last frame (one frame less than write + close_write)."""
+        in Python and may be reused once this returns (or raises: a write cancelled
+        while a worker thread still seals its bytes waits for that worker first).
+        ``fin=True`` closes the writing direction with the last frame (one frame less
+        than write + close_write)."""
         view = memoryview(data).cast("B")
         conn = self.conn
         if fin and not len(view):
             await self.close_write()
             return
-        while len(view):
-            if self._error is not None:
-                raise self._error
-            if self._send_fin:
-                raise ConnectionClosed(f"stream {self.stream_id} was closed for writing")
-            if self._send_credit <= 0:
-                self._credit_waiter = conn._loop.create_future()
-                try:
-                    await self._credit_waiter
-                finally:
-                    self._credit_waiter = None
-                continue
-            if conn._write_paused or conn._dead:
-                await conn._wait_writable()
+        sealing: list[asyncio.Future] = []
+        try:
+            while len(view):
                 if self._error is not None:
                     raise self._error
-            n = min(len(view), self._send_credit, conn._remote_max_frame)
-            self._send_credit -= n
-            last = fin and n == len(view)
-            if last:
-                self._send_fin = True
-            conn._send_data(self.stream_id, view[:n], fin=last)
-            view = view[n:]
+                if self._send_fin:
+                    raise ConnectionClosed(f"stream {self.stream_id} was closed for writing")
+                if self._send_credit <= 0:
+                    self._credit_waiter = conn._loop.create_future()
+                    try:
+                        await self._credit_waiter
+                    finally:
+                        self._credit_waiter = None
+                    continue
+                if conn._write_paused or conn._dead:
+                    await conn._wait_writable()
+                    if self._error is not None:
+                        raise self._error
+                n = min(len(view), self._send_credit, conn._remote_max_frame)
+                self._send_credit -= n
+                last = fin and n == len(view)
+                if last:
+                    self._send_fin = True
+                released = conn._send_data(self.stream_id, view[:n], fin=last)
+                if released is not None:
+                    sealing.append(released)
+                view = view[n:]
+        finally:
+            if sealing:
+                await _until_released(sealing)
         if fin:
             conn._end_of_message()
             conn._maybe_forget(self)
@@ -329,6 +348,22 @@ class Stream:
         if not self._recv_fin and self._error is None:
             self.reset("closed by the application before the remote finished")
         self.conn._maybe_forget(self)
+
+
+async def _until_released(futures: list[asyncio.Future]) -> None:
+    """Wait until worker threads let go of a write's buffers, even when cancelled (the
+    caller may free or reuse them as soon as we return); a cancellation is raised after.
+    Sealing a record takes about a millisecond, so the wait is short and bounded."""
+    cancelled = False
+    pending = [f for f in futures if not f.done()]
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+        pending = [f for f in pending if not f.done()]
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 __all__ = ["Stream"]
