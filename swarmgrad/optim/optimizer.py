@@ -653,7 +653,7 @@ class Optimizer(torch.optim.Optimizer):
                 averaging_round=average_state,
                 delay_averaging=self.delay_state_averaging and not self.auxiliary,
                 averaging_control=state_control,
-                averaging_opts={"timeout": self.averaging_timeout} if average_state else None,
+                averaging_opts=self._state_round_options(next_epoch) if average_state else None,
             )
             if self.scheduled_state is not None and self.scheduled_state is not state_control:
                 release(self.scheduled_state, self.averaging_timeout, self.run_id)
@@ -668,6 +668,15 @@ class Optimizer(torch.optim.Optimizer):
             # our update used our own gradients while the swarm used its average: take
             # the swarm's state now, before the next batch is computed on ours
             self.load_state_from_peers()
+
+    def _state_round_options(self, epoch: int) -> dict[str, Any]:
+        """The state round's options: its timeout, and a wait that gives the round up
+        once every other peer has left (instead of waiting out the timeout for a group
+        that can no longer form; a step, or a SIGTERM, waits for this round)."""
+        return {
+            "timeout": self.averaging_timeout,
+            "wait": partial(self.epochs.wait_until_alone, epoch=epoch, what="state round"),
+        }
 
     def _maybe_schedule_state_averaging(self) -> None:
         """Likewise for the state round of the coming epoch, if it averages the state."""

@@ -400,7 +400,10 @@ class TrainingStateAverager(DecentralizedAverager):
         round, now or (``delay_optimizer_step`` / ``delay_averaging``) in the background
         thread; ``wait_for_trigger`` runs first there (e.g. waiting for averaged
         gradients). Errors of background work are logged and the update skipped; the
-        peer carries on with its state as it was."""
+        peer carries on with its state as it was. ``averaging_opts``: the round's
+        ``timeout`` and ``gather``, and ``wait``, a callable that waits for the round's
+        control (instead of ``control.result(timeout)``; the Optimizer's gives the round
+        up once every other peer has left)."""
         if delay_averaging is None:
             delay_averaging = delay_optimizer_step
         if wait_for_delayed_updates is None:
@@ -514,7 +517,8 @@ class TrainingStateAverager(DecentralizedAverager):
                 )
             self._round_control = control
             control.allow_allreduce()
-            gathered = control.result(timeout)
+            wait = options.get("wait")  # the optimizer's: gives up once the others left
+            gathered = wait(control) if wait is not None else control.result(timeout)
         except (Exception, concurrent.futures.CancelledError) as e:
             logger.log(self.status_loglevel, "state averaging failed: %r", e)
             if control is not None and not control.done():
