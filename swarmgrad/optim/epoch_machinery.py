@@ -238,6 +238,18 @@ class EpochMachinery:
         left (:meth:`_others_left`), will never find one (rounds are tagged with the
         epoch): it is cancelled and None returned, rather than waited for (a peer that
         pays that wait every epoch never catches up)."""
+        return self._wait(control, epoch, what, moved_on_ends_it=True)
+
+    def wait_until_alone(self, control: StepControl, epoch: int, what: str = "round") -> Any:
+        """Like :meth:`wait_for_round`, but a round still looking for its group is given
+        up only once every other peer has left, not when some moved past ``epoch``: for
+        a background state round (local updates), which slower peers of ``epoch`` may
+        still join. Without it, the last peer of a swarm whose others all left (stopped
+        with SIGTERM, say goodbye) waited out ``averaging_timeout`` before it could
+        take its next step, or stop."""
+        return self._wait(control, epoch, what, moved_on_ends_it=False)
+
+    def _wait(self, control: StepControl, epoch: int, what: str, *, moved_on_ends_it: bool) -> Any:
         began = time.monotonic()
         deadline, asked = began + self.averaging_timeout, False
         while True:
@@ -256,7 +268,7 @@ class EpochMachinery:
                     # the epoch ends, every min_refresh_period) to learn who is left
                     self.tracker.request_fetch()
                     asked = True
-                moved_on = self.tracker.peers_ahead_of(epoch, refresh=False)
+                moved_on = moved_on_ends_it and self.tracker.peers_ahead_of(epoch, refresh=False)
                 if moved_on:
                     control.cancel()
                     logger.log(

@@ -647,7 +647,7 @@ class Optimizer(torch.optim.Optimizer):
                 averaging_round=average_state,
                 delay_averaging=self.delay_state_averaging and not self.auxiliary,
                 averaging_control=state_control,
-                averaging_opts=self._state_round_options() if average_state else None,
+                averaging_opts=self._state_round_options(next_epoch) if average_state else None,
             )
             if self.scheduled_state is not None and self.scheduled_state is not state_control:
                 release(self.scheduled_state, self.averaging_timeout, self.run_id)
@@ -663,12 +663,19 @@ class Optimizer(torch.optim.Optimizer):
             # the swarm's state now, before the next batch is computed on ours
             self.load_state_from_peers()
 
-    def _state_round_options(self) -> dict[str, float]:
-        """A state round looks for its group for ``matchmaking_time`` (past its scheduled
-        time), not for the whole ``averaging_timeout``: peers busy in another round would
-        otherwise hold this peer's next epoch back until they alternate for good (see
-        ``TrainingStateAverager``'s ``search_timeout``)."""
-        return {"timeout": self.averaging_timeout, "search_timeout": self.matchmaking_time}
+    def _state_round_options(self, epoch: int) -> dict[str, Any]:
+        """The state round's options: its timeout; a search for its group bounded by
+        ``matchmaking_time`` past its scheduled time, not the whole ``averaging_timeout``
+        (peers busy in another round would otherwise hold this peer's next epoch back,
+        until two peers alternate rounds for good: see ``TrainingStateAverager``'s
+        ``search_timeout``); and a wait that gives the round up once every other peer has
+        left (instead of waiting out the timeout for a group that can no longer form; a
+        step, or a SIGTERM, waits for this round)."""
+        return {
+            "timeout": self.averaging_timeout,
+            "search_timeout": self.matchmaking_time,
+            "wait": partial(self.epochs.wait_until_alone, epoch=epoch, what="state round"),
+        }
 
     def _maybe_schedule_state_averaging(self) -> None:
         """Likewise for the state round of the coming epoch, if it averages the state."""

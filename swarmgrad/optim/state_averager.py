@@ -403,9 +403,11 @@ class TrainingStateAverager(DecentralizedAverager):
         round, now or (``delay_optimizer_step`` / ``delay_averaging``) in the background
         thread; ``wait_for_trigger`` runs first there (e.g. waiting for averaged
         gradients). Errors of background work are logged and the update skipped; the
-        peer carries on with its state as it was. ``averaging_opts``: ``timeout`` (the
-        whole round), ``gather``, and ``search_timeout``: give the round up if it has no
-        group that long past its scheduled time."""
+        peer carries on with its state as it was. ``averaging_opts``: the round's
+        ``timeout`` and ``gather``; ``search_timeout``: give the round up if it has no
+        group that long past its scheduled time; and ``wait``, a callable that waits for
+        the round's control (instead of ``control.result(timeout)``; the Optimizer's
+        gives the round up once every other peer has left)."""
         if delay_averaging is None:
             delay_averaging = delay_optimizer_step
         if wait_for_delayed_updates is None:
@@ -528,7 +530,8 @@ class TrainingStateAverager(DecentralizedAverager):
                     "state averaging found no group within %.1f s: skipped", search_timeout,
                 )  # fmt: skip
                 return None
-            gathered = control.result(timeout)
+            wait = options.get("wait")  # the optimizer's: gives up once the others left
+            gathered = wait(control) if wait is not None else control.result(timeout)
         except (Exception, concurrent.futures.CancelledError) as e:
             logger.log(self.status_loglevel, "state averaging failed: %r", e)
             if control is not None and not control.done():

@@ -198,3 +198,45 @@ def test_a_deadlocked_simulation_raises_instead_of_hanging_when_given_a_stall_ti
     with pytest.raises(SimulationStalled, match=r"stalled at virtual time 7\.0"):
         run_simulation(main, stall_timeout=0.2)
     assert time.perf_counter() - wall < 5.0
+
+
+def test_a_simulation_collects_young_garbage_less_often_and_restores_the_thresholds():
+    """A swarm of live objects made the default young-generation threshold (700) trigger
+    full collections over and over; a simulation raises it and puts it back after, also
+    when the scenario raises. Collection stays off where it was off."""
+    import gc
+
+    from swarmgrad.net.sim.clock import SIMULATION_GC_THRESHOLD
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+
+        async def main(network):
+            return gc.get_threshold()
+
+        assert run_simulation(main) == (SIMULATION_GC_THRESHOLD, 10, 10)
+        assert gc.get_threshold() == (700, 10, 10)
+        with virtual_loop():
+            assert gc.get_threshold() == (SIMULATION_GC_THRESHOLD, 10, 10)
+        assert gc.get_threshold() == (700, 10, 10)
+
+        async def fails(network):
+            raise KeyError("scenario failed")
+
+        with pytest.raises(KeyError):
+            run_simulation(fails)
+        assert gc.get_threshold() == (700, 10, 10)
+
+        gc.set_threshold(0, 10, 10)  # automatic collection off: a simulation leaves it off
+        assert run_simulation(main) == (0, 10, 10)
+        with virtual_loop() as loop:
+            assert gc.get_threshold() == (0, 10, 10)
+            loop.run_until_complete(asyncio.sleep(0))
+
+        gc.set_threshold(100_000, 10, 10)  # a higher threshold is kept
+        assert run_simulation(main) == (100_000, 10, 10)
+        with virtual_loop():
+            assert gc.get_threshold() == (100_000, 10, 10)
+    finally:
+        gc.set_threshold(*before)

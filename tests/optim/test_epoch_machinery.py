@@ -194,6 +194,23 @@ def test_a_round_looking_for_a_group_is_given_up_once_peers_moved_on_or_left():
         assert control.cancelled()
 
 
+def test_a_background_state_round_is_given_up_only_once_every_other_peer_left():
+    """wait_until_alone: slower peers of the epoch may still join a state round, so peers
+    that moved on are no reason to give it up; every other peer gone is."""
+    machinery = _machinery(_WaitingTracker(others_left=True), _StateAverager(3))
+    control = _looking()
+    assert machinery.wait_until_alone(control, 3, "state round") is None
+    assert control.cancelled()
+
+    machinery = _machinery(_WaitingTracker(peers_ahead=1), _StateAverager(3))
+    machinery.averaging_timeout = 1.5
+    control = _looking()
+    timer = threading.Timer(0.8, control.set_result, args=({"peer": b"digest"},))
+    timer.start()
+    assert machinery.wait_until_alone(control, 3, "state round") == {"peer": b"digest"}
+    assert not control.cancelled()
+
+
 def test_a_round_already_averaging_is_waited_for_and_its_result_returned():
     tracker = _WaitingTracker(peers_ahead=1)  # peers ahead do not matter any more
     machinery = _machinery(tracker, _StateAverager(3))

@@ -116,3 +116,33 @@ def test_a_state_round_with_nobody_to_meet_gives_up_after_its_search_timeout(cap
         finally:
             first.shutdown()
             second.shutdown()
+
+
+def test_a_round_waits_through_the_callers_wait_which_may_give_it_up():
+    """``averaging_opts["wait"]`` waits for the round in place of ``control.result``: the
+    Optimizer's gives up a round whose partners all left. A lonely peer's round that it
+    gives up ends at once (no state change) rather than after its 30 s timeout."""
+    import time
+
+    with dht_swarm(1) as (dht,):
+        model = make_model(0)
+        before = snapshot(model)
+        averager = make_state_averager(dht, model, offload_optimizer=False)
+        waited = []
+
+        def give_up(control):
+            waited.append(control)
+            time.sleep(0.5)
+            control.cancel()
+            return None
+
+        try:
+            began = time.monotonic()
+            averager.step(averaging_round=True, averaging_opts={"timeout": 30, "wait": give_up})
+            assert time.monotonic() - began < 15
+            assert len(waited) == 1 and waited[0].cancelled()
+            assert averager.state_version == 0
+            for got, want in zip(snapshot(model), before, strict=True):
+                assert torch.equal(got, want)
+        finally:
+            averager.shutdown()

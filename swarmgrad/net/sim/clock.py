@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import selectors
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -135,6 +136,35 @@ class VirtualClockEventLoop(asyncio.SelectorEventLoop):
             self._thread_jobs -= 1
 
 
+#: Allocations between two young-generation collections while a simulation runs
+#: (CPython's default is 700). See :func:`_fewer_collections`.
+SIMULATION_GC_THRESHOLD = 50_000
+
+
+@contextlib.contextmanager
+def _fewer_collections() -> Iterator[None]:
+    """Run the young-generation collector every ``SIMULATION_GC_THRESHOLD`` allocations
+    instead of every 700, for the duration of the block; the previous thresholds come
+    back on exit. Nothing else about collection changes: cycles are still collected.
+
+    Why: a simulated swarm keeps hundreds of thousands of live objects (every peer's
+    connections, routing tables, pending timers), and messages in flight live for many
+    loop iterations. With the default threshold, young collections run every few
+    hundred allocations, promote in-flight messages to the old generation, and the old
+    generation's growth triggers full collections that walk the whole heap again and
+    again: in the 1000-peer DHT test they took about half of the CPU time (measured with
+    ``gc.callbacks``; 4772 collections, 30 of them full, for 300 peers; 28 in all with
+    this threshold).
+    """
+    previous = gc.get_threshold()
+    if previous[0] != 0:  # 0: automatic collection is off; leave it so
+        gc.set_threshold(max(previous[0], SIMULATION_GC_THRESHOLD), *previous[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)
+
+
 @contextlib.contextmanager
 def _virtual_runner(
     *, start_time: float, stall_timeout: float | None, debug: bool | None
@@ -142,7 +172,7 @@ def _virtual_runner(
     def make_loop() -> VirtualClockEventLoop:
         return VirtualClockEventLoop(start_time=start_time, stall_timeout=stall_timeout)
 
-    with asyncio.Runner(debug=debug, loop_factory=make_loop) as runner:
+    with _fewer_collections(), asyncio.Runner(debug=debug, loop_factory=make_loop) as runner:
         yield runner
 
 
