@@ -282,6 +282,46 @@ def test_in_gradients_mode_a_lone_peer_trains_and_keeps_serving_during_a_round(s
     assert backend.gradient_sink is None  # after shutdown it steps per backward again
 
 
+def test_in_gradients_mode_background_rounds_meet_at_the_same_dht_time_boundaries(swarm):
+    name = swarm.new_name()
+    torch.manual_seed(5)
+    initial = nn.Linear(4, 3)
+    backends = [gradient_backend(f"{name}.0", copy.deepcopy(initial)) for _ in range(2)]
+    servers = [swarm.serve(name, 0, 1, None, 4, backend=b) for b in backends]
+    options = StageTrainingOptions(
+        average_period=3.0, averaging_timeout=10.0, min_matchmaking_time=1.0, mode="gradients"
+    )
+    averagers = []
+    pipe = swarm.pipeline(name, 1, timeout=30)
+    try:
+        for server in servers:  # started at different moments: the rounds still line up
+            averagers.append(StageAverager(server.dht, name, 0, server.backend, options))
+            averagers[-1].start()
+            time.sleep(1.3)
+        for i, server in enumerate(servers):
+            send_backward(pipe, server, name, *micro_batch(2 + i, 10 + i))
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            if all(a._samples == 0 for a in averagers) and all(a.rounds for a in averagers):
+                if backends[0].update_count == backends[1].update_count >= 1:
+                    break
+            time.sleep(0.2)
+        for averager in averagers:
+            averager.shutdown()
+        assert [a.solo_steps for a in averagers] == [0, 0]
+        assert backends[0].update_count == backends[1].update_count >= 1
+        for param_0, param_1, start in zip(
+            backends[0].module.parameters(),
+            backends[1].module.parameters(),
+            initial.parameters(),
+            strict=True,
+        ):
+            assert torch.equal(param_0, param_1) and not torch.equal(param_0, start)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
 def test_gradients_mode_refuses_a_backend_without_optimizer_or_with_another_averager(swarm):
     name = swarm.new_name()
     server = swarm.serve(name, 0, 1, nn.Linear(4, 4), 4)  # lr 0: no optimizer
