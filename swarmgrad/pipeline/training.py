@@ -316,13 +316,17 @@ class StageAverager:
                     buffer.div_(samples)
                 else:
                     buffer.zero_()
-        gathered = self.averager.step(
-            gather={"samples": samples},
-            weight=float(samples),
-            scheduled_time=scheduled_time,
-            timeout=self.options.averaging_timeout,
-            round_tag=round_tag,
-        )
+        try:
+            gathered = self.averager.step(
+                gather={"samples": samples},
+                weight=float(samples),
+                scheduled_time=scheduled_time,
+                timeout=self.options.averaging_timeout,
+                round_tag=round_tag,
+            )
+        except Exception as e:  # the gradients are copied out: step on them, not lose them
+            logger.warning("stage %d: a gradient round failed: %r", self.stage, e)
+            gathered = None
         if gathered:
             total = sum(_samples_of(data) for data in gathered.values())
         else:

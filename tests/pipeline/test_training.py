@@ -322,6 +322,59 @@ def test_in_gradients_mode_background_rounds_meet_at_the_same_dht_time_boundarie
             averager.shutdown()
 
 
+def test_in_gradients_mode_a_joining_peer_takes_the_state_and_then_steps_in_lockstep(swarm):
+    name = swarm.new_name()
+    torch.manual_seed(6)
+    initial = nn.Linear(4, 3)
+    # no background round during the test: the next multiple of 1e9 s of DHT time is years away
+    options = StagePeerOptions(
+        server=StageServerOptions(update_period=0.5),
+        training=StageTrainingOptions(
+            average_period=1e9, averaging_timeout=8.0, min_matchmaking_time=1.0,
+            state_timeout=30.0, mode="gradients",
+        ),
+    )  # fmt: skip
+
+    def factory(stage):
+        return gradient_backend(f"{name}.{stage}", copy.deepcopy(initial))
+
+    peers = []
+    pipe = swarm.pipeline(name, 1, timeout=30)
+    try:
+        for _ in range(2):
+            dht = DHT(start=True, initial_peers=swarm.addrs)
+            swarm.dhts.append(dht)
+            peers.append(StagePeer(dht, name, 1, 0, factory, options))
+        donor, joiner = peers
+        donor.start(background=False)
+        send_backward(pipe, donor.server, name, *micro_batch(4, 7))
+        assert not donor.averager.average_once()  # alone: a step, momentum buffers
+        send_backward(pipe, donor.server, name, *micro_batch(2, 8))  # not applied yet
+        deadline = time.monotonic() + 20  # the donor's record must be in the DHT
+        while not joiner._stage_has_other_peers(0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        joiner.start(background=False)  # downloads the donor's weights and momentum
+        for mine, theirs, start in zip(
+            joiner.server.backend.module.parameters(),
+            donor.server.backend.module.parameters(),
+            initial.parameters(),
+            strict=True,
+        ):
+            assert torch.equal(mine, theirs) and not torch.equal(mine, start)
+        send_backward(pipe, joiner.server, name, *micro_batch(3, 9))
+        assert run_together([donor.averager, joiner.averager]) == [True, True]
+        assert donor.server.backend.update_count == joiner.server.backend.update_count == 2
+        for mine, theirs in zip(
+            joiner.server.backend.module.parameters(),
+            donor.server.backend.module.parameters(),
+            strict=True,
+        ):
+            assert torch.equal(mine, theirs)
+    finally:
+        for peer in peers:
+            peer.shutdown()
+
+
 def test_gradients_mode_refuses_a_backend_without_optimizer_or_with_another_averager(swarm):
     name = swarm.new_name()
     server = swarm.serve(name, 0, 1, nn.Linear(4, 4), 4)  # lr 0: no optimizer
