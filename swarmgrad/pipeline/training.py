@@ -35,13 +35,18 @@ never averages parameters); a round in which nobody served anything steps nobody
 
 When rounds happen: at every multiple of ``average_period`` seconds of DHT time (the
 shared clock of :func:`~swarmgrad.get_dht_time`), tagged with that multiple's index.
-Every peer of the stage wakes at the same moments whatever its start time or load, and a
-tag keeps a peer that woke late for one round from meeting the next one, so the peers
-of a stage stay in step without any extra DHT record. The alternatives were worse for
-that: counting local micro-batches puts peers that serve at different rates in different
-rounds, and a stage-wide ``target_batch_size`` needs a progress record per stage in the
-DHT, refreshed with every batch. The cost: a round's batch is whatever the stage served
-in the period, so choose the period for the batch size you want at your throughput.
+Every peer of the stage wakes at the same moments whatever its start time or load, a
+tag keeps a peer that woke late for one round from meeting the next one, and a round
+gives up (at most ``averaging_timeout``) just before the next boundary: a peer whose
+round found nobody is back in time for the next one. (Without that bound, two peers that
+started in different periods each spent a whole timeout alone and kept missing each
+other.) So the peers of a stage stay in step without any extra DHT record. The
+alternatives were worse for that: counting local micro-batches puts peers that serve at
+different rates in different rounds, and a stage-wide ``target_batch_size`` needs a
+progress record per stage in the DHT, refreshed with every batch. The cost: a round's
+batch is whatever the stage served in the period, so choose the period for the batch
+size you want at your throughput, and long enough for a round to average (a round cut
+short at the boundary counts as no group: each peer steps alone).
 
 Serving goes on during a round: the accumulated sums are copied out (into the
 averager's host buffers, divided by the samples) and zeroed under the backend's lock, as
@@ -80,6 +85,9 @@ __all__ = ["MODES", "StageAverager", "StageTrainingOptions"]
 
 MODES = ("parameters", "diloco", "gradients")
 
+#: gradients mode: a round gives up this fraction of a period before the next boundary
+_ROUND_MARGIN = 0.05
+
 logger = logging.getLogger(__name__)
 
 
@@ -115,6 +123,12 @@ class StageTrainingOptions:
             "state_timeout",
         ):
             positive_seconds(name, getattr(self, name))
+        if self.mode == "gradients" and self.min_matchmaking_time >= self.average_period / 2:
+            raise ValidationError(
+                f"min_matchmaking_time={self.min_matchmaking_time} must be less than half of "
+                f'average_period={self.average_period} in mode="gradients": a round must form '
+                "its group and average before the next round begins"
+            )
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> tuple[Any, list[torch.Tensor]]:
@@ -301,7 +315,12 @@ class StageAverager:
                 accumulator.add_(param.grad)
         self._samples += batch_size
 
-    def _gradient_round(self, round_tag: str = "", scheduled_time: float | None = None) -> bool:
+    def _gradient_round(
+        self,
+        round_tag: str = "",
+        scheduled_time: float | None = None,
+        timeout: float | None = None,
+    ) -> bool:
         """Copy out this peer's mean gradient, average it with the stage's peers weighted
         by samples, step with the result (alone, on the local mean, if no group formed).
         True if it averaged with at least one other peer."""
@@ -321,7 +340,7 @@ class StageAverager:
                 gather={"samples": samples},
                 weight=float(samples),
                 scheduled_time=scheduled_time,
-                timeout=self.options.averaging_timeout,
+                timeout=self.options.averaging_timeout if timeout is None else timeout,
                 round_tag=round_tag,
             )
         except Exception as e:  # the gradients are copied out: step on them, not lose them
@@ -433,11 +452,12 @@ class StageAverager:
             if self._stop.wait(max(delay, 0.0)):
                 return
             try:
-                if gradients:
-                    start = index * self.options.average_period
+                if gradients:  # a round ends before the next one's boundary: see above
+                    end = (index + 1 - _ROUND_MARGIN) * period
                     self._gradient_round(
                         round_tag=f"g{index}",
-                        scheduled_time=start + self.options.min_matchmaking_time,
+                        scheduled_time=index * period + self.options.min_matchmaking_time,
+                        timeout=max(min(self.options.averaging_timeout, end - get_dht_time()), 0.1),
                     )
                 else:
                     self.average_once()

@@ -392,6 +392,8 @@ def test_gradients_mode_refuses_a_backend_without_optimizer_or_with_another_aver
 def test_bad_stage_training_options_are_refused_naming_them():
     with pytest.raises(ValidationError, match="mode must be one of"):
         StageTrainingOptions(mode="momentum")
+    with pytest.raises(ValidationError, match=r"min_matchmaking_time=5.0 must be less than half"):
+        StageTrainingOptions(mode="gradients", average_period=8.0, min_matchmaking_time=5.0)
     with pytest.raises(ValidationError, match="outer_optimizer needs"):
         StageTrainingOptions(outer_optimizer=lambda params: torch.optim.SGD(params, lr=1))
 
