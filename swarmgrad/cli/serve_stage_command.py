@@ -7,7 +7,8 @@ Example (a stage module as in ``docs/pipeline.md``)::
 
 The peer builds every stage of the module (seeded, so all peers agree on the initial
 weights), checks that they chain, serves ``--stage``, takes the stage's current state from
-its other peers, averages with them every ``--average-period`` seconds, and every
+its other peers, averages with them every ``--average-period`` seconds (parameters,
+DiLoCo pseudo-gradients or accumulated gradients: ``--averaging-mode``), and every
 ``--rebalance-interval`` seconds checks whether it should move to the bottleneck stage.
 
 Once serving, it prints on stdout (scripts can parse them)::
@@ -54,10 +55,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--averaging-mode",
-        choices=("parameters", "diloco"),
+        choices=("parameters", "diloco", "gradients"),
         default="parameters",
-        help="what the stage's peers average: their parameters, or (diloco) pseudo-gradients "
-        "applied by an outer Nesterov SGD",
+        help="what the stage's peers average: their parameters, (diloco) pseudo-gradients "
+        "applied by an outer Nesterov SGD, or (gradients) the gradients they accumulated, "
+        "every peer then stepping with the average (no step per backward)",
     )
     parser.add_argument(
         "--rebalance-interval", type=float, default=60.0, help="seconds between checks (0: never)"

@@ -104,11 +104,28 @@ class StageServicer(ServicerBase):
             for i, tensor in enumerate(tensors):
                 if tensor.is_floating_point() and not all_finite(tensor):
                     raise ValidationError(f"{what} of {name}[{i}]: holds NaN or Inf values")
+        weight = batch_size if backend.gradient_sink is not None else 1
         grads = await backend.backward_pool.submit_task(
-            *message.inputs, *message.grad_outputs, size=batch_size
+            *message.inputs, *_scaled(message.grad_outputs, weight), size=batch_size
         )
+        grads = _scaled(grads, 1 / weight)
         self.server.backward_requests += 1
         return await _encode(protocol.BackwardAnswer(tuple(grads)), message.compression)
+
+
+def _scaled(tensors: Any, factor: float) -> tuple:
+    """A stage that accumulates gradients for its peers' averaging (``gradients`` mode:
+    the backend has a ``gradient_sink``) weighs each micro-batch by its samples: its
+    output gradients are multiplied by its size here, the one place that still knows
+    where a micro-batch ends (the runtime may merge concurrent ones into one backward),
+    and its input gradients divided back. Backward being linear in the output gradients,
+    the parameters' gradient of a merged batch is then ``sum(n_i * g_i)`` over its
+    micro-batches (``g_i`` the gradient of micro-batch i's mean loss), and the
+    accumulated sum over the samples is the mean gradient per sample. Integer tensors
+    are left alone."""
+    if factor == 1:
+        return tuple(tensors)
+    return tuple(t * factor if t.is_floating_point() else t for t in tensors)
 
 
 def _check_inputs(inputs: tuple, backend: ModuleBackend, what: str) -> int:

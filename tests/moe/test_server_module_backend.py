@@ -84,6 +84,43 @@ def test_backward_returns_input_gradients_and_updates_the_weights_once():
     assert all(p.grad is None for p in b.module.parameters())
 
 
+def test_with_a_gradient_sink_backward_hands_gradients_over_and_steps_only_when_applied():
+    cache = ActivationCache(1 << 20)
+    b, reference = backend(cache), backend()
+    received = []
+
+    def sink(batch_size):
+        received.append((batch_size, [p.grad.clone() for p in b.module.parameters()]))
+
+    b.gradient_sink = sink
+    before = [p.detach().clone() for p in b.module.parameters()]
+    x, mask, grads = batch()
+    b.forward(x, mask)
+    got = b.backward(x, mask, *grads)
+    want = reference.backward(x, mask, *grads)  # the same input gradients
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert cache.hits == 1 and len(received) == 1 and received[0][0] == 5
+    assert b.update_count == 0 and b.examples_processed == 5
+    for param, old in zip(b.module.parameters(), before, strict=True):
+        assert torch.equal(param, old) and param.grad is None  # no step, gradients gone
+    b.forward(x, mask)  # no step: a forward's graph stays valid for its backward
+    with b.lock:
+        for param, grad in zip(b.module.parameters(), received[0][1], strict=True):
+            param.grad = grad
+        b.apply_gradients()
+    assert b.update_count == 1 and len(cache) == 0  # graphs of the old weights dropped
+    for new, ref in zip(b.module.parameters(), reference.module.parameters(), strict=True):
+        assert torch.equal(new, ref)  # one step on the same gradients
+
+
+def test_a_gradient_sink_never_sees_non_finite_gradients():
+    b = backend()
+    b.gradient_sink = lambda batch_size: pytest.fail("the sink got NaN gradients")
+    x, mask, (grad_out, grad_count) = batch()
+    with pytest.raises(ValidationError, match="non-finite parameter gradients"):
+        b.backward(x, mask, grad_out * float("nan"), grad_count)
+
+
 def test_forward_builds_no_graph_without_a_cache_and_leaves_weights_alone():
     b = backend()
     before = copy.deepcopy(b.module.state_dict())

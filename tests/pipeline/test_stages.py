@@ -144,3 +144,8 @@ def test_serve_stage_options_reach_the_peer_options():
     assert options.rebalance.interval == 7
     args.average_period = 0
     assert serve_stage_command._options(args).training is None
+    args = parser.parse_args(
+        ["serve-stage", "--module", "m.py", "--pipeline", "p", "--stage", "0",
+         "--averaging-mode", "gradients"]
+    )  # fmt: skip
+    assert serve_stage_command._options(args).training.mode == "gradients"

@@ -1,9 +1,11 @@
-"""Stage training and rebalancing on loopback: a stage's peers average their parameters,
-a joining peer downloads parameters and optimizer state, and a peer of an over-served
-stage moves to the bottleneck and serves it."""
+"""Stage training and rebalancing on loopback: a stage's peers average their parameters
+(or DiLoCo pseudo-gradients, or accumulated gradients), a joining peer downloads
+parameters and optimizer state, and a peer of an over-served stage moves to the
+bottleneck and serves it."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -12,11 +14,16 @@ import torch
 from torch import nn
 
 from swarmgrad.dht import DHT
+from swarmgrad.moe.protocol import BatchTensorDescriptor
+from swarmgrad.moe.server import ModuleBackend
+from swarmgrad.pipeline import protocol
 from swarmgrad.pipeline.peer import StagePeer, StagePeerOptions, read_stage_loads
+from swarmgrad.pipeline.protocol import BackwardAnswer, BackwardRequest
 from swarmgrad.pipeline.rebalance import RebalanceOptions
 from swarmgrad.pipeline.server import StageServerOptions
 from swarmgrad.pipeline.training import StageAverager, StageTrainingOptions
 from swarmgrad.utils.errors import ValidationError
+from swarmgrad.utils.loop_thread import run_coroutine
 from tests.helpers.pipeline import PipelineSwarm, make_backend
 
 TRAINING = StageTrainingOptions(
@@ -103,9 +110,290 @@ def test_in_diloco_mode_the_peers_of_a_stage_step_their_anchor_by_the_mean_pseud
             averager.shutdown()
 
 
+GRADIENTS = StageTrainingOptions(
+    average_period=3600.0, averaging_timeout=20.0, min_matchmaking_time=1.0, mode="gradients"
+)
+
+
+def gradient_backend(name, module, lr=0.5, min_batch_size=1):
+    """SGD (scale-sensitive, unlike Adam's first step); a backward pool that waits up to
+    10 s for ``min_batch_size`` samples, so concurrent micro-batches merge."""
+    return ModuleBackend(
+        name,
+        module,
+        optimizer=torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9),
+        args_schema=(BatchTensorDescriptor(4),),
+        min_batch_size=min_batch_size,
+        timeout=10.0,
+    )
+
+
+def micro_batch(n, seed):
+    """Inputs, and the output gradients of the micro-batch's mean loss
+    ``mean_s <y_s, r_s>`` (what a trainer's mean loss sends back)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=generator), torch.randn(n, 3, generator=generator) / n
+
+
+def send_backward(pipe, server, name, x, grad_out):
+    peer = pipe.caller.peer
+    peer.add_addresses(server.dht.peer_id, server.dht.get_visible_maddrs())
+    request = BackwardRequest(name, 0, (x,), (grad_out,))
+    reply = run_coroutine(
+        peer.call(server.dht.peer_id, protocol.BACKWARD, request.encode(), timeout=30)
+    )
+    return BackwardAnswer.decode(reply).grad_inputs[0]
+
+
+def mean_gradient(module, batches):
+    """The mean gradient per sample over every micro-batch, as one big batch gives it,
+    and each micro-batch's input gradients."""
+    module = copy.deepcopy(module)
+    total = sum(len(x) for x, _ in batches)
+    input_grads = []
+    for x, grad_out in batches:
+        leaf = x.clone().requires_grad_()
+        module(leaf).backward(grad_out * len(x) / total)  # sum_s <y_s, r_s> / total
+        input_grads.append(leaf.grad * total / len(x))
+    return [p.grad.clone() for p in module.parameters()], input_grads
+
+
+def sgd_steps(module, steps, lr=0.5):
+    """The weights after one SGD step (momentum 0.9) per list of gradients in ``steps``."""
+    module = copy.deepcopy(module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
+    for grads in steps:
+        for param, grad in zip(module.parameters(), grads, strict=True):
+            param.grad = grad.clone()
+        optimizer.step()
+    return [p.detach() for p in module.parameters()]
+
+
+def run_together(averagers):
+    results = [None] * len(averagers)
+
+    def run(i):
+        results[i] = averagers[i].average_once()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(averagers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_in_gradients_mode_peers_step_together_on_the_sample_weighted_mean_gradient(swarm):
+    name = swarm.new_name()
+    torch.manual_seed(3)
+    initial = nn.Linear(4, 3)
+    # peer 0 merges its two micro-batches (2 and 3 samples) into one backward of 5
+    backends = [
+        gradient_backend(f"{name}.0", copy.deepcopy(initial), min_batch_size=5),
+        gradient_backend(f"{name}.0", copy.deepcopy(initial)),
+    ]
+    servers = [swarm.serve(name, 0, 1, None, 4, backend=b) for b in backends]
+    averagers = [StageAverager(s.dht, name, 0, s.backend, GRADIENTS) for s in servers]
+    pipe = swarm.pipeline(name, 1, timeout=30)
+    fed = [[micro_batch(2, 0), micro_batch(3, 1)], [micro_batch(4, 2)]]
+    try:
+        answers = [None, None]
+
+        def feed(i):
+            answers[i] = send_backward(pipe, servers[0], name, *fed[0][i])
+
+        threads = [threading.Thread(target=feed, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        answers.append(send_backward(pipe, servers[1], name, *fed[1][0]))
+        pool = backends[0].backward_pool.stats
+        assert list(pool.recent_batch_sizes) == [5] and list(pool.recent_batch_requests) == [2]
+        # input gradients go back unweighted, as if each micro-batch ran alone
+        for answer, (x, grad_out) in zip(answers, fed[0] + fed[1], strict=True):
+            _, (want,) = mean_gradient(initial, [(x, grad_out)])
+            torch.testing.assert_close(answer, want)
+        for backend in backends:  # nothing stepped yet: gradients wait for the round
+            assert backend.update_count == 0
+            for param, start in zip(backend.module.parameters(), initial.parameters(), strict=True):
+                assert torch.equal(param, start)
+        assert run_together(averagers) == [True, True]
+        expected = sgd_steps(initial, [mean_gradient(initial, fed[0] + fed[1])[0]])
+        for param_0, param_1, want in zip(
+            backends[0].module.parameters(), backends[1].module.parameters(), expected, strict=True
+        ):
+            assert torch.equal(param_0, param_1)  # the replicas stay identical
+            torch.testing.assert_close(param_0.detach(), want)
+        assert [b.update_count for b in backends] == [1, 1]
+        assert [a.rounds for a in averagers] == [1, 1]
+        # a round in which nobody served anything steps nobody (momentum would move them)
+        assert run_together(averagers) == [True, True]
+        assert [b.update_count for b in backends] == [1, 1]
+        # one peer served, the other not: both step with the same gradient
+        send_backward(pipe, servers[1], name, *micro_batch(3, 4))
+        assert run_together(averagers) == [True, True]
+        assert [b.update_count for b in backends] == [2, 2]
+        for param_0, param_1 in zip(
+            backends[0].module.parameters(), backends[1].module.parameters(), strict=True
+        ):
+            assert torch.equal(param_0, param_1)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def test_in_gradients_mode_a_lone_peer_trains_and_keeps_serving_during_a_round(swarm):
+    name = swarm.new_name()
+    torch.manual_seed(4)
+    initial = nn.Linear(4, 3)
+    backend = gradient_backend(f"{name}.0", copy.deepcopy(initial))
+    server = swarm.serve(name, 0, 1, None, 4, backend=backend)
+    options = StageTrainingOptions(
+        average_period=3600.0, averaging_timeout=4.0, min_matchmaking_time=1.0, mode="gradients"
+    )
+    averager = StageAverager(server.dht, name, 0, backend, options)
+    pipe = swarm.pipeline(name, 1, timeout=30)
+    first, second = micro_batch(5, 5), micro_batch(3, 6)
+    try:
+        assert not averager.average_once()  # nothing served, nobody to meet: no step
+        assert backend.update_count == 0 and averager.solo_steps == 0
+        send_backward(pipe, server, name, *first)
+        result = []
+        round_ = threading.Thread(target=lambda: result.append(averager.average_once()))
+        round_.start()
+        deadline = time.monotonic() + 10
+        while averager._samples and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the round has taken the first micro-batch's gradient
+        started = time.monotonic()
+        send_backward(pipe, server, name, *second)  # served while the round looks for peers
+        assert round_.is_alive() and time.monotonic() - started < 3.0
+        round_.join(30)
+        assert result == [False] and averager.solo_steps == 1 and backend.update_count == 1
+        assert averager._samples == 3  # the second micro-batch waits for the next round
+        assert not averager.average_once()
+        assert averager.solo_steps == 2 and backend.update_count == 2
+        # both gradients were computed on the initial weights: the second one a round late
+        grads = [mean_gradient(initial, [first])[0], mean_gradient(initial, [second])[0]]
+        for param, want in zip(backend.module.parameters(), sgd_steps(initial, grads), strict=True):
+            torch.testing.assert_close(param.detach(), want)
+    finally:
+        averager.shutdown()
+    assert backend.gradient_sink is None  # after shutdown it steps per backward again
+
+
+def test_in_gradients_mode_background_rounds_meet_at_the_same_dht_time_boundaries(swarm):
+    name = swarm.new_name()
+    torch.manual_seed(5)
+    initial = nn.Linear(4, 3)
+    backends = [gradient_backend(f"{name}.0", copy.deepcopy(initial)) for _ in range(2)]
+    servers = [swarm.serve(name, 0, 1, None, 4, backend=b) for b in backends]
+    options = StageTrainingOptions(
+        average_period=3.0, averaging_timeout=10.0, min_matchmaking_time=1.0, mode="gradients"
+    )
+    averagers = []
+    pipe = swarm.pipeline(name, 1, timeout=30)
+    try:
+        for server in servers:  # started at different moments: the rounds still line up
+            averagers.append(StageAverager(server.dht, name, 0, server.backend, options))
+            averagers[-1].start()
+            time.sleep(1.3)
+        for i, server in enumerate(servers):
+            send_backward(pipe, server, name, *micro_batch(2 + i, 10 + i))
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            if all(a._samples == 0 for a in averagers) and all(a.rounds for a in averagers):
+                if backends[0].update_count == backends[1].update_count >= 1:
+                    break
+            time.sleep(0.2)
+        for averager in averagers:
+            averager.shutdown()
+        assert [a.solo_steps for a in averagers] == [0, 0]
+        assert backends[0].update_count == backends[1].update_count >= 1
+        for param_0, param_1, start in zip(
+            backends[0].module.parameters(),
+            backends[1].module.parameters(),
+            initial.parameters(),
+            strict=True,
+        ):
+            assert torch.equal(param_0, param_1) and not torch.equal(param_0, start)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def test_in_gradients_mode_a_joining_peer_takes_the_state_and_then_steps_in_lockstep(swarm):
+    name = swarm.new_name()
+    torch.manual_seed(6)
+    initial = nn.Linear(4, 3)
+    # no background round during the test: the next multiple of 1e9 s of DHT time is years away
+    options = StagePeerOptions(
+        server=StageServerOptions(update_period=0.5),
+        training=StageTrainingOptions(
+            average_period=1e9, averaging_timeout=8.0, min_matchmaking_time=1.0,
+            state_timeout=30.0, mode="gradients",
+        ),
+    )  # fmt: skip
+
+    def factory(stage):
+        return gradient_backend(f"{name}.{stage}", copy.deepcopy(initial))
+
+    peers = []
+    pipe = swarm.pipeline(name, 1, timeout=30)
+    try:
+        for _ in range(2):
+            dht = DHT(start=True, initial_peers=swarm.addrs)
+            swarm.dhts.append(dht)
+            peers.append(StagePeer(dht, name, 1, 0, factory, options))
+        donor, joiner = peers
+        donor.start(background=False)
+        send_backward(pipe, donor.server, name, *micro_batch(4, 7))
+        assert not donor.averager.average_once()  # alone: a step, momentum buffers
+        send_backward(pipe, donor.server, name, *micro_batch(2, 8))  # not applied yet
+        deadline = time.monotonic() + 20  # the donor's record must be in the DHT
+        while not joiner._stage_has_other_peers(0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        joiner.start(background=False)  # downloads the donor's weights and momentum
+        for mine, theirs, start in zip(
+            joiner.server.backend.module.parameters(),
+            donor.server.backend.module.parameters(),
+            initial.parameters(),
+            strict=True,
+        ):
+            assert torch.equal(mine, theirs) and not torch.equal(mine, start)
+        send_backward(pipe, joiner.server, name, *micro_batch(3, 9))
+        assert run_together([donor.averager, joiner.averager]) == [True, True]
+        assert donor.server.backend.update_count == joiner.server.backend.update_count == 2
+        for mine, theirs in zip(
+            joiner.server.backend.module.parameters(),
+            donor.server.backend.module.parameters(),
+            strict=True,
+        ):
+            assert torch.equal(mine, theirs)
+    finally:
+        for peer in peers:
+            peer.shutdown()
+
+
+def test_gradients_mode_refuses_a_backend_without_optimizer_or_with_another_averager(swarm):
+    name = swarm.new_name()
+    server = swarm.serve(name, 0, 1, nn.Linear(4, 4), 4)  # lr 0: no optimizer
+    with pytest.raises(ValidationError, match=r'mode="gradients" needs the backend.s optimizer'):
+        StageAverager(server.dht, name, 0, server.backend, GRADIENTS)
+    server.backend.optimizer = torch.optim.SGD(server.backend.module.parameters(), lr=0.1)
+    averager = StageAverager(server.dht, name, 0, server.backend, GRADIENTS)
+    try:
+        with pytest.raises(ValidationError, match="already hands its gradients"):
+            StageAverager(server.dht, name, 0, server.backend, GRADIENTS)
+    finally:
+        averager.shutdown()
+
+
 def test_bad_stage_training_options_are_refused_naming_them():
     with pytest.raises(ValidationError, match="mode must be one of"):
-        StageTrainingOptions(mode="gradients")
+        StageTrainingOptions(mode="momentum")
+    with pytest.raises(ValidationError, match=r"min_matchmaking_time=5.0 must be less than half"):
+        StageTrainingOptions(mode="gradients", average_period=8.0, min_matchmaking_time=5.0)
     with pytest.raises(ValidationError, match="outer_optimizer needs"):
         StageTrainingOptions(outer_optimizer=lambda params: torch.optim.SGD(params, lr=1))
 

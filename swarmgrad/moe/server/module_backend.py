@@ -10,6 +10,10 @@ With an :class:`~swarmgrad.moe.server.activation_cache.ActivationCache` (the ser
 its experts one), forward keeps its graph for a while and a backward of exactly the same
 inputs, before any other weight update, reuses it instead of recomputing: same result,
 one forward pass less.
+
+A caller that steps the optimizer itself (a pipeline stage averaging gradients with its
+peers) sets :attr:`ModuleBackend.gradient_sink`: backward then hands each batch's
+parameter gradients to it instead of stepping, and :meth:`apply_gradients` steps later.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -164,6 +168,11 @@ class ModuleBackend:
         self.outputs_schema = _as_schema(outputs_schema, f"outputs_schema of expert {name!r}")
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self.update_count = 0  # optimizer steps taken
+        # None: every backward batch is one optimizer step. Set: backward calls it with the
+        # batch size while the parameters' .grad hold the batch's gradients (under the
+        # lock, on the runtime's thread) and does not step; the owner of the sink steps
+        # with apply_gradients when it chooses
+        self.gradient_sink: Callable[[int], None] | None = None
         self.examples_processed = 0  # samples seen by backward
         # held while this expert computes or its state is read or replaced, so that a
         # checkpoint never sees half an optimizer step
@@ -252,14 +261,29 @@ class ModuleBackend:
         )
 
     def on_backward(self, batch_size: int) -> None:
-        """Apply the accumulated gradients: clip, optimizer step, scheduler step.
+        """Apply the accumulated gradients: clip, optimizer step, scheduler step (or hand
+        them to :attr:`gradient_sink`).
 
         Gradients that overflowed to NaN or Inf (finite inputs can do that) would ruin the
         weights for every client: the step is skipped and the batch gets the error."""
-        if self.optimizer is not None:
+        sink = self.gradient_sink
+        if self.optimizer is not None or sink is not None:
             self._check_finite_gradients()
         self.examples_processed += batch_size
-        if self.optimizer is not None:
+        if sink is not None:
+            sink(batch_size)
+        else:
+            self.apply_gradients()
+        self.module.zero_grad(set_to_none=True)
+
+    def apply_gradients(self) -> None:
+        """One optimizer step with the gradients in the parameters' ``.grad`` (clipped to
+        ``clip_grad_norm`` first), then the scheduler's; graphs of the old weights leave
+        the activation cache. The caller holds :attr:`lock`. Nothing without an
+        optimizer."""
+        if self.optimizer is None:
+            return
+        with self.lock:
             if self.clip_grad_norm is not None:
                 nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
             self.optimizer.step()
@@ -268,7 +292,6 @@ class ModuleBackend:
                 self.scheduler.step()
             if self.activation_cache is not None:  # graphs of older weights are useless now
                 self.activation_cache.discard(self, keep_version=self.update_count)
-        self.module.zero_grad(set_to_none=True)
 
     def _check_finite_gradients(self) -> None:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
