@@ -665,15 +665,17 @@ class Optimizer(torch.optim.Optimizer):
 
     def _state_round_options(self, epoch: int) -> dict[str, Any]:
         """The state round's options: its timeout; a search for its group bounded by
-        ``matchmaking_time`` past its scheduled time, not the whole ``averaging_timeout``
-        (peers busy in another round would otherwise hold this peer's next epoch back,
-        until two peers alternate rounds for good: see ``TrainingStateAverager``'s
-        ``search_timeout``); and a wait that gives the round up once every other peer has
-        left (instead of waiting out the timeout for a group that can no longer form; a
-        step, or a SIGTERM, waits for this round)."""
+        twice ``matchmaking_time`` past its scheduled time (room for a partner a little
+        late), and by half the ``averaging_timeout``, not the whole timeout (peers busy in
+        another round would otherwise hold this peer's next epoch back, until two peers
+        alternate rounds for good: see ``TrainingStateAverager``'s ``search_timeout``);
+        and a wait that gives the round up once every other peer has left (instead of
+        waiting out the timeout for a group that can no longer form; a step, or a
+        SIGTERM, waits for this round)."""
+        search = min(2 * self.matchmaking_time, self.averaging_timeout / 2)
         return {
             "timeout": self.averaging_timeout,
-            "search_timeout": self.matchmaking_time,
+            "search_timeout": search,
             "wait": partial(self.epochs.wait_until_alone, epoch=epoch, what="state round"),
         }
 
