@@ -39,7 +39,14 @@ from typing import Any
 
 from swarmgrad.cli import demo_pipeline_stages
 from swarmgrad.cli.demo_processes import ChildProcess, spawn
-from swarmgrad.cli.demo_train import _clean, _print_tail, _Swarm, plot_history, progress_bar
+from swarmgrad.cli.demo_train import (
+    _clean,
+    _print_tail,
+    _Swarm,
+    add_display_arguments,
+    plot_history,
+    progress_bar,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -76,14 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds each stage peer sleeps per batch, standing in for a real device's "
         "compute (keeps two cores from being the bottleneck; default 0.02)",
     )  # fmt: skip
-    parser.add_argument("--plot", default=None, help="where to write the PNG plot")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled text")
-    parser.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
-    parser.add_argument(
-        "--monitor-port", type=int, default=0,
-        help="port of the dashboard (swarmgrad monitor) on 127.0.0.1 (default 0: any free one)",
-    )  # fmt: skip
-    parser.add_argument("--no-monitor", action="store_true", help="start no dashboard")
+    add_display_arguments(parser)
     parser.set_defaults(run=run, no_nat=True)
 
 

@@ -86,14 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each global epoch (default; many steps, fit for 2 cores); sync: gradients are "
         "averaged and all step together once per global epoch (exact large-batch training)",
     )  # fmt: skip
-    parser.add_argument("--plot", default=None, help="where to write the PNG plot")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled text")
-    parser.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
-    parser.add_argument(
-        "--monitor-port", type=int, default=0,
-        help="port of the dashboard (swarmgrad monitor) on 127.0.0.1 (default 0: any free one)",
-    )  # fmt: skip
-    parser.add_argument("--no-monitor", action="store_true", help="start no dashboard")
+    add_display_arguments(parser)
     parser.add_argument(
         "--no-nat",
         action="store_true",
@@ -115,6 +108,19 @@ _MODE_TEXT = {
     "local": "local updates, parameters averaged each epoch",
     "sync": "gradients averaged, one step per epoch",
 }
+
+
+def add_display_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every demo shows and how: its plot, the seed of its text, the progress bar
+    and the dashboard (the training demo's and the pipeline demo's options alike)."""
+    parser.add_argument("--plot", default=None, help="where to write the PNG plot")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled text")
+    parser.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
+    parser.add_argument(
+        "--monitor-port", type=int, default=0,
+        help="port of the dashboard (swarmgrad monitor) on 127.0.0.1 (default 0: any free one)",
+    )  # fmt: skip
+    parser.add_argument("--no-monitor", action="store_true", help="start no dashboard")
 
 
 def _check(args: argparse.Namespace) -> None:
