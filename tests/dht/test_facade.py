@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ from swarmgrad.dht import DHT, Ed25519SignatureValidator
 from swarmgrad.net.identity import Identity
 from swarmgrad.utils.errors import PeerUnreachable, ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
+from tests.helpers.processes import stop_with_sigterm
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +49,6 @@ def start_cli_peer(*extra: str) -> tuple[subprocess.Popen, str]:
     raise AssertionError(f"the CLI peer did not print its address: {proc.stdout.read()}")
 
 
-def stop(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=30)
-    return output
-
-
 def test_cli_peers_find_each_other_and_serve_a_client_then_stop_cleanly():
     first, first_addr = start_cli_peer()
     second, _ = start_cli_peer("--initial-peers", first_addr)
@@ -80,8 +74,8 @@ def test_cli_peers_find_each_other_and_serve_a_client_then_stop_cleanly():
         assert "GOT hello" in reader.stdout, reader.stderr
         time.sleep(1.0)  # two status lines
     finally:
-        out_second = stop(second)
-        out_first = stop(first)
+        out_second = stop_with_sigterm(second, timeout=30)
+        out_first = stop_with_sigterm(first, timeout=30)
     assert second.returncode == 0 and first.returncode == 0
     assert "Shutting down" in out_first and "Shutting down" in out_second
     assert re.search(r"routing table: [1-9]\d* peers", out_second), out_second

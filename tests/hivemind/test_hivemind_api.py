@@ -9,7 +9,6 @@ import logging
 import pathlib
 import pickle
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import torch
 import swarmgrad
 from swarmgrad.net import libp2p_options
 from swarmgrad.utils.errors import ValidationError
+from tests.helpers.processes import stop_with_sigterm
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -557,13 +557,6 @@ def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 90) -> tup
     raise AssertionError(f"no match for {pattern!r} in:\n{''.join(seen)}")
 
 
-def stop(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, rest
-    return rest
-
-
 @pytest.mark.slow
 def test_hivemind_dht_and_hivemind_server_run_with_hivemind_flags():
     dht = start(
@@ -586,10 +579,10 @@ def test_hivemind_dht_and_hivemind_server_run_with_hivemind_flags():
             assert uids.split() == ["expert.0", "expert.1"]
             read_until(server, r"Running an expert server\. To join, use --initial-peers (.+)$")
         finally:
-            stop(server)
+            stop_with_sigterm(server)
         assert "routing table" in read_until(dht, r"(local routing table)")[0]
     finally:
-        stop(dht)
+        stop_with_sigterm(dht)
 
 
 def test_console_scripts_point_at_the_hivemind_commands():

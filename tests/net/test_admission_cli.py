@@ -5,7 +5,6 @@ refused, and a revocation list published with ``swarmgrad authority revoke``."""
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from swarmgrad.net.admission import AccessToken, RevocationList
 from swarmgrad.net.identity import Identity
 from swarmgrad.utils.errors import PeerUnreachable
 from swarmgrad.utils.timeutils import get_dht_time
+from tests.helpers.processes import stop_with_sigterm
 
 
 def start_dht(*argv: str) -> tuple[subprocess.Popen, str]:
@@ -38,15 +38,6 @@ def start_dht(*argv: str) -> tuple[subprocess.Popen, str]:
             return proc, match.group(1)
     proc.kill()
     raise AssertionError(f"no banner; stderr: {proc.stderr.read()}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 @pytest.mark.slow
@@ -96,4 +87,4 @@ def test_dht_command_admits_token_holders_only(tmp_path, capsys):
         finally:
             volunteer.shutdown()
     finally:
-        stop(proc)
+        stop_with_sigterm(proc, timeout=30)
