@@ -33,8 +33,12 @@ import threading
 from functools import partial
 from typing import Any
 
-from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_command
-from swarmgrad.cli.config_file import OptionAdder, add_network_options, config_tokens, load_config
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from swarmgrad.cli.config_file import (
+    add_configurable_command,
+    add_network_options,
+    layered_settings,
+)
 from swarmgrad.cli.dht_command import admission_kwargs
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
@@ -95,17 +99,14 @@ def _compression(text: str) -> str:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(
+    option = add_configurable_command(
         commands,
         "server",
         help="host experts of a decentralized mixture-of-experts",
         doc=__doc__,
-        argument_default=argparse.SUPPRESS,
+        defaults=DEFAULTS,
     )
-
-    option = OptionAdder(parser, DEFAULTS)
-
-    option("config", help="JSON, TOML or YAML file with any of these options")
+    parser = option.parser
     option.group("experts")
     option("num-experts", type=int, help="how many experts to host (with --expert-pattern)")
     option("expert-uids", nargs="+", help="exact uids to host, e.g. expert.0 expert.1")
@@ -160,17 +161,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Defaults, then the config file, then the command line."""
-    given = {k: v for k, v in vars(args).items() if k not in ("run", "server_parser", "command")}
-    settings = dict(DEFAULTS)
-    if given.get("config"):
-        parser = args.server_parser
-        tokens = config_tokens(load_config(given["config"]), given["config"], DEFAULTS)
-        from_file = vars(parser.parse_args(tokens))
-        settings.update({k: v for k, v in from_file.items() if k in DEFAULTS})
-    settings.update(given)
-    for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
-        if isinstance(settings[key], str):
-            settings[key] = [settings[key]]
+    settings, _ = layered_settings(args, args.server_parser, DEFAULTS)
     return settings
 
 
