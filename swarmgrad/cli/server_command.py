@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from functools import partial
 from typing import Any
 
-from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, stop_on_signals, usage_error
 from swarmgrad.cli.config_file import (
     add_configurable_command,
     add_network_options,
@@ -236,9 +234,7 @@ def check_settings(settings: dict[str, Any]) -> None:
         raise ValueError(f"--metrics-run-id must have 1 to 128 characters, got {run_id!r}")
 
 
-def _usage_error(message: str) -> int:
-    print(f"swarmgrad server: error: {message}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
+_usage_error = partial(usage_error, "server")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -253,9 +249,7 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(str(e))
     use_swarmgrad_log_handler(str(settings["log_level"]).upper())
 
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         server = Server.create(start=True, **server_kwargs(settings))
     except ValidationError as e:

@@ -32,14 +32,14 @@ import itertools
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
-from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, stop_on_signals, usage_error
 from swarmgrad.cli.config_file import add_configurable_command, layered_settings
 from swarmgrad.cli.dht_command import admission_kwargs
 from swarmgrad.cli.train_setup import COMPRESSIONS, MODES, PRECISIONS, check_run_options
@@ -223,9 +223,7 @@ def parse_module_options(items: list[str]) -> dict[str, str]:
 # ---------------------------------------------------------------------- running
 
 
-def _usage_error(message: str) -> int:
-    print(f"swarmgrad train: error: {message}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
+_usage_error = partial(usage_error, "train")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -237,9 +235,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # ModelModuleError and ValidationError are ValueErrors
         return _usage_error(str(e))
     use_swarmgrad_log_handler(str(settings["log_level"]).upper())
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = stop_on_signals()
     return Trainer(module, settings, stop).run()
 
 
