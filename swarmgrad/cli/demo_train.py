@@ -339,14 +339,14 @@ class DemoRun:
 
 
 def run_demo(
-    demo: Callable[[argparse.Namespace, Path], DemoRun],
+    demo: type[DemoRun],
     args: argparse.Namespace,
     check: Callable[[argparse.Namespace], None],
 ) -> int:
     """Check the options, run the demo in a new folder, then stop its processes and remove
     its files (a full run's plot stays). Exit status: the demo's, 1 when it failed, 2 for
     bad options, 130 after Ctrl-C."""
-    title = getattr(demo, "title", DemoRun.title)
+    title = demo.title
     try:
         check(args)
     except ValueError as e:
