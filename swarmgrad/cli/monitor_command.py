@@ -23,13 +23,7 @@ import threading
 from functools import partial
 from typing import Any
 
-from swarmgrad.cli.common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    add_command,
-    stop_on_signals,
-    usage_error,
-)
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, add_command, stop_on_signals, usage_error
 from swarmgrad.cli.dht_command import add_admission_arguments, admission_kwargs
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 

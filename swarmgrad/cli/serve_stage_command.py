@@ -29,13 +29,7 @@ import sys
 import time
 from typing import Any
 
-from swarmgrad.cli.common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    add_command,
-    stop_on_signals,
-    usage_error,
-)
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, add_command, stop_on_signals, usage_error
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
 logger = logging.getLogger("swarmgrad.cli.serve_stage")
