@@ -9,11 +9,20 @@ from __future__ import annotations
 import argparse
 import json
 import tomllib
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OptionAdder", "add_network_options", "config_tokens", "load_config"]
+from swarmgrad.cli.common import add_command
+
+__all__ = [
+    "OptionAdder",
+    "add_configurable_command",
+    "add_network_options",
+    "config_tokens",
+    "layered_settings",
+    "load_config",
+]
 
 
 class OptionAdder:
@@ -38,6 +47,23 @@ class OptionAdder:
         if "help" in kwargs and self.defaults.get(dest) not in (None, [], False):
             kwargs["help"] += f" (default: {self.defaults[dest]})"
         self.current.add_argument(*flags, dest=dest, **kwargs)
+
+
+def add_configurable_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    *,
+    help: str,
+    doc: str | None,
+    defaults: dict[str, Any],
+) -> OptionAdder:
+    """The parser of a subcommand whose options ``--config FILE`` may give too, as
+    :func:`layered_settings` reads them: it keeps only the options given, the first of
+    them ``--config``. The rest are added with the returned adder (``.parser``)."""
+    parser = add_command(commands, name, help=help, doc=doc, argument_default=argparse.SUPPRESS)
+    option = OptionAdder(parser, defaults)
+    option("config", help="JSON, TOML or YAML file with any of these options")
+    return option
 
 
 def add_network_options(option: OptionAdder, who: str) -> None:
@@ -75,11 +101,18 @@ def load_config(path: str) -> dict[str, Any]:
     return {str(key).replace("-", "_"): value for key, value in data.items()}
 
 
-def config_tokens(config: dict[str, Any], path: str, known: Collection[str]) -> list[str]:
+def config_tokens(
+    config: dict[str, Any],
+    path: str,
+    known: Collection[str],
+    negative_flags: Mapping[str, str] | None = None,
+) -> list[str]:
     """The config as command-line tokens; options outside ``known`` are refused by name.
 
     A list becomes one flag followed by its items; a table (e.g. ``module_options``)
-    becomes one flag followed by ``KEY=VALUE`` items."""
+    becomes one flag followed by ``KEY=VALUE`` items; ``false`` gives no token, except for
+    an option with a flag that turns it off (``negative_flags["use_relay"] = "--no-relay"``)."""
+    negative_flags = negative_flags or {}
     unknown = sorted(set(config) - set(known) - {"config"})
     if unknown:
         raise ValueError(f"config file {path!r}: unknown options {unknown}")
@@ -91,6 +124,8 @@ def config_tokens(config: dict[str, Any], path: str, known: Collection[str]) -> 
         if isinstance(value, bool):
             if value:
                 tokens.append(flag)
+            elif key in negative_flags:
+                tokens.append(negative_flags[key])
         elif isinstance(value, dict):
             tokens += [flag, *(f"{k}={v}" for k, v in value.items())]
         elif isinstance(value, list):
@@ -98,3 +133,34 @@ def config_tokens(config: dict[str, Any], path: str, known: Collection[str]) -> 
         else:
             tokens += [flag, str(value)]
     return tokens
+
+
+def layered_settings(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, defaults: dict[str, Any]
+) -> tuple[dict[str, Any], set[str]]:
+    """A command's settings, ``defaults`` overridden by the options of ``--config FILE``,
+    overridden by those of the command line; and the names of the options set in either.
+
+    ``parser`` keeps only what was given (``argument_default=argparse.SUPPRESS``) and
+    ``defaults`` names every option. An option that takes several values, given one
+    string, becomes a one-item list."""
+    actions = parser._actions  # (argparse has no public list of a parser's options)
+    given = {k: v for k, v in vars(args).items() if k in defaults}
+    settings = dict(defaults)
+    from_file: dict[str, Any] = {}
+    if given.get("config"):
+        negative_flags = {
+            a.dest: a.option_strings[0]
+            for a in actions
+            if a.option_strings and a.option_strings[0].startswith("--no-")
+        }
+        tokens = config_tokens(
+            load_config(given["config"]), given["config"], defaults, negative_flags
+        )
+        from_file = {k: v for k, v in vars(parser.parse_args(tokens)).items() if k in defaults}
+    settings.update(from_file)
+    settings.update(given)
+    for key in {a.dest for a in actions if a.nargs in ("*", "+")}:
+        if isinstance(settings[key], str):
+            settings[key] = [settings[key]]
+    return settings, set(given) | set(from_file)

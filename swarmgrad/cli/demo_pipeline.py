@@ -30,9 +30,9 @@ import json
 import math
 import os
 import signal
-import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +40,12 @@ from typing import Any
 from swarmgrad.cli import demo_pipeline_stages
 from swarmgrad.cli.demo_processes import ChildProcess, spawn
 from swarmgrad.cli.demo_train import (
-    _clean,
-    _print_tail,
+    DemoRun,
     _Swarm,
     add_display_arguments,
     plot_history,
     progress_bar,
+    run_demo,
 )
 
 __all__ = ["add_arguments", "run"]
@@ -304,23 +304,27 @@ def _untrained_loss(args: argparse.Namespace, held_out: Any) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        _check(args)
-    except ValueError as e:
-        print(f"swarmgrad demo pipeline: error: {e}", flush=True)
-        return 2
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    workdir = Path(tempfile.mkdtemp(prefix="swarmgrad-demo-pipeline-"))
-    swarm = _PipelineSwarm(args, workdir)
-    swarm.environment()
-    layout = starved_layout(args.stages, args.peers)
-    trainer: _Trainer | None = None
-    keep = False
-    try:
+    return run_demo(_PipelineDemo, args, _check)
+
+
+class _PipelineDemo(DemoRun):
+    """A trainer through stages served by stage peers, the last stage starved at first."""
+
+    title = "swarmgrad demo pipeline"
+
+    def __init__(self, args: argparse.Namespace, workdir: Path):
+        super().__init__(args, workdir)
+        self.swarm = _PipelineSwarm(args, workdir)
+        self.swarm.environment()
+        self.trainer: _Trainer | None = None
+
+    def main(self) -> int:
+        args, swarm = self.args, self.swarm
+        layout = starved_layout(args.stages, args.peers)
         print(
             f"swarmgrad demo pipeline: a tiny GPT in {args.stages} stages served by "
             f"{args.peers} peer processes (starting {'/'.join(map(str, layout))}: the last "
-            f"stage starved), trained for {args.duration:.0f} s; files in {workdir}",
+            f"stage starved), trained for {args.duration:.0f} s; files in {self.workdir}",
             flush=True,
         )
         began = time.monotonic()
@@ -328,30 +332,22 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_monitor:
             swarm.start_monitor()
         swarm.start_stage_peers(layout)
-        trainer = _Trainer(swarm, args)
+        self.trainer = trainer = _Trainer(swarm, args)
         history = _train(swarm, trainer, args)
         trained_loss = trainer.held_out_loss()
-        result = _report(swarm, trainer, history, args, trained_loss, time.monotonic() - began)
-        keep = True
-        return result
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping every process of the demo", flush=True)
-        return 130
-    except RuntimeError as e:
-        print(f"swarmgrad demo pipeline: failed: {e}", flush=True)
-        for process, index in swarm.peers.values():
-            _print_tail(workdir / f"stage-peer-{index}.log", process.name)
-        return 1
-    finally:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            if trainer is not None:
-                trainer.stop.set()
-                trainer.shutdown()
-            swarm.stop(timeout=20.0)
-            _clean(workdir, keep_plot=keep)
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        return _report(swarm, trainer, history, args, trained_loss, time.monotonic() - began)
+
+    def failed_logs(self) -> Iterable[tuple[Path, str]]:
+        return [
+            (self.workdir / f"stage-peer-{index}.log", process.name)
+            for process, index in self.swarm.peers.values()
+        ]
+
+    def stop(self) -> None:
+        if self.trainer is not None:
+            self.trainer.stop.set()
+            self.trainer.shutdown()
+        self.swarm.stop(timeout=20.0)
 
 
 def _layout(swarm: _PipelineSwarm, trainer: _Trainer) -> list[list[int]]:

@@ -35,7 +35,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -315,21 +315,83 @@ class _Watch:
 
 
 def run(args: argparse.Namespace) -> int:
+    return run_demo(_TrainingDemo, args, _check)
+
+
+class DemoRun:
+    """One run of a demo, in a folder of its own; :func:`run_demo` starts and ends it."""
+
+    title = "swarmgrad demo"  # how its own lines begin; its folder is named after it too
+
+    def __init__(self, args: argparse.Namespace, workdir: Path):
+        self.args, self.workdir = args, workdir
+
+    def main(self) -> int:
+        """The demo itself: its exit status, or RuntimeError when it could not finish."""
+        raise NotImplementedError
+
+    def failed_logs(self) -> Iterable[tuple[Path, str]]:
+        """The (log file, process name) pairs whose last lines explain a failure."""
+        return ()
+
+    def stop(self) -> None:
+        """Stop every process the demo started (called once, whatever happened)."""
+
+
+def run_demo(
+    demo: type[DemoRun],
+    args: argparse.Namespace,
+    check: Callable[[argparse.Namespace], None],
+) -> int:
+    """Check the options, run the demo in a new folder, then stop its processes and remove
+    its files (a full run's plot stays). Exit status: the demo's, 1 when it failed, 2 for
+    bad options, 130 after Ctrl-C."""
+    title = demo.title
     try:
-        _check(args)
+        check(args)
     except ValueError as e:
-        print(f"swarmgrad demo: error: {e}", flush=True)
+        print(f"{title}: error: {e}", flush=True)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    workdir = Path(tempfile.mkdtemp(prefix="swarmgrad-demo-"))
-    swarm = _Swarm(args, workdir)
+    workdir = Path(tempfile.mkdtemp(prefix=title.replace(" ", "-") + "-"))
+    session = demo(args, workdir)
     keep = False
     try:
+        result = session.main()
+        keep = True
+        return result
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every process of the demo", flush=True)
+        return 130
+    except RuntimeError as e:
+        print(f"{title}: failed: {e}", flush=True)
+        for path, name in session.failed_logs():
+            _print_tail(path, name)
+        return 1
+    finally:
+        # a second Ctrl-C must not cut the cleanup short and leave processes behind
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            session.stop()
+            _clean(workdir, keep_plot=keep)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+class _TrainingDemo(DemoRun):
+    """Trainers of a tiny GPT, one of them in client mode, one killed, one joining late."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path):
+        super().__init__(args, workdir)
+        self.swarm = _Swarm(args, workdir)
+
+    def main(self) -> int:
+        args, swarm = self.args, self.swarm
         print(
             f"swarmgrad demo: {args.trainers} trainers{_LATE if args.join_at else ''} train a "
             "tiny GPT on "
             f"Python's standard library for {args.duration:.0f} s ({_MODE_TEXT[args.mode]}, "
-            f"{args.target_batch_size} samples per global epoch); files in {workdir}",
+            f"{args.target_batch_size} samples per global epoch); files in {self.workdir}",
             flush=True,
         )
         began = time.monotonic()
@@ -341,25 +403,13 @@ def run(args: argparse.Namespace) -> int:
             swarm.start_trainer("client mode" if index == args.trainers - 1 else "")
         watch = _train(swarm, args)
         swarm.stop()
-        result = _report(swarm, watch, args, workdir, time.monotonic() - began)
-        keep = True
-        return result
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping every process of the demo", flush=True)
-        return 130
-    except RuntimeError as e:
-        print(f"swarmgrad demo: failed: {e}", flush=True)
-        for trainer in swarm.trainers:
-            _print_tail(workdir / f"trainer-{trainer.index}.log", trainer.name)
-        return 1
-    finally:
-        # a second Ctrl-C must not cut the cleanup short and leave processes behind
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            swarm.stop(timeout=20.0)
-            _clean(workdir, keep_plot=keep)
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        return _report(swarm, watch, args, self.workdir, time.monotonic() - began)
+
+    def failed_logs(self) -> Iterable[tuple[Path, str]]:
+        return [(self.workdir / f"trainer-{t.index}.log", t.name) for t in self.swarm.trainers]
+
+    def stop(self) -> None:
+        self.swarm.stop(timeout=20.0)
 
 
 def progress_bar(duration: float, disable: bool) -> tuple[Any, Callable[[str], None]]:

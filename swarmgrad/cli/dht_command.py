@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
 
-from swarmgrad.cli.common import add_command
+from swarmgrad.cli.common import add_command, stop_on_signals
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
 logger = logging.getLogger("swarmgrad.cli.dht")
@@ -95,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmgrad.utils.errors import SwarmgradError
 
     use_swarmgrad_log_handler(args.log_level.upper())
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         dht = DHT(
             initial_peers=args.initial_peers,

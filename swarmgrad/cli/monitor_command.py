@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 import threading
+from functools import partial
 from typing import Any
 
-from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_command
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, add_command, stop_on_signals, usage_error
 from swarmgrad.cli.dht_command import add_admission_arguments, admission_kwargs
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
@@ -77,9 +77,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _usage_error(message: str) -> int:
-    print(f"swarmgrad monitor: error: {message}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
+_usage_error = partial(usage_error, "monitor")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,10 +114,7 @@ def _run(args: argparse.Namespace, admission: dict, exporters: Any) -> int:
     from swarmgrad.utils.errors import SwarmgradError, ValidationError
 
     use_swarmgrad_log_handler(args.log_level.upper())
-    stop = threading.Event()
-    if not args.json:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: stop.set())
+    stop = threading.Event() if args.json else stop_on_signals()
     try:
         dht = DHT(initial_peers=args.initial_peers, client_mode=True, start=True, **admission)
     except ValidationError as e:

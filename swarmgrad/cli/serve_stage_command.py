@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 import time
 from typing import Any
 
-from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_command
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, add_command, stop_on_signals, usage_error
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
 logger = logging.getLogger("swarmgrad.cli.serve_stage")
@@ -98,16 +96,13 @@ def run(args: argparse.Namespace) -> int:
         if not 0 <= args.stage < len(specs):
             raise ValidationError(f"--stage must be in [0, {len(specs)}), got {args.stage}")
     except ValidationError as e:
-        print(f"swarmgrad serve-stage: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error("serve-stage", str(e))
     try:
         peer = _start(args, stage_module, len(specs), peer_options)
     except Exception as e:
         print(f"swarmgrad serve-stage: failed to start: {e}", file=sys.stderr)
         return EXIT_FAILED
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     maddrs = [str(m) for m in peer.dht.get_visible_maddrs()]
     print(f"Serving stage {peer.stage}/{len(specs)} of pipeline {args.pipeline!r}", flush=True)
     print("To join, use --initial-peers MADDR [MADDR ...]", flush=True)

@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from functools import partial
 from typing import Any
 
-from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_command
-from swarmgrad.cli.config_file import OptionAdder, add_network_options, config_tokens, load_config
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, stop_on_signals, usage_error
+from swarmgrad.cli.config_file import (
+    add_configurable_command,
+    add_network_options,
+    layered_settings,
+)
 from swarmgrad.cli.dht_command import admission_kwargs
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
@@ -95,17 +97,14 @@ def _compression(text: str) -> str:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(
+    option = add_configurable_command(
         commands,
         "server",
         help="host experts of a decentralized mixture-of-experts",
         doc=__doc__,
-        argument_default=argparse.SUPPRESS,
+        defaults=DEFAULTS,
     )
-
-    option = OptionAdder(parser, DEFAULTS)
-
-    option("config", help="JSON, TOML or YAML file with any of these options")
+    parser = option.parser
     option.group("experts")
     option("num-experts", type=int, help="how many experts to host (with --expert-pattern)")
     option("expert-uids", nargs="+", help="exact uids to host, e.g. expert.0 expert.1")
@@ -160,17 +159,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Defaults, then the config file, then the command line."""
-    given = {k: v for k, v in vars(args).items() if k not in ("run", "server_parser", "command")}
-    settings = dict(DEFAULTS)
-    if given.get("config"):
-        parser = args.server_parser
-        tokens = config_tokens(load_config(given["config"]), given["config"], DEFAULTS)
-        from_file = vars(parser.parse_args(tokens))
-        settings.update({k: v for k, v in from_file.items() if k in DEFAULTS})
-    settings.update(given)
-    for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
-        if isinstance(settings[key], str):
-            settings[key] = [settings[key]]
+    settings, _ = layered_settings(args, args.server_parser, DEFAULTS)
     return settings
 
 
@@ -245,9 +234,7 @@ def check_settings(settings: dict[str, Any]) -> None:
         raise ValueError(f"--metrics-run-id must have 1 to 128 characters, got {run_id!r}")
 
 
-def _usage_error(message: str) -> int:
-    print(f"swarmgrad server: error: {message}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
+_usage_error = partial(usage_error, "server")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -262,9 +249,7 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(str(e))
     use_swarmgrad_log_handler(str(settings["log_level"]).upper())
 
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         server = Server.create(start=True, **server_kwargs(settings))
     except ValidationError as e:

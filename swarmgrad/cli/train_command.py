@@ -32,15 +32,15 @@ import itertools
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
-from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_command
-from swarmgrad.cli.config_file import config_tokens, load_config
+from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, stop_on_signals, usage_error
+from swarmgrad.cli.config_file import add_configurable_command, layered_settings
 from swarmgrad.cli.dht_command import admission_kwargs
 from swarmgrad.cli.train_setup import COMPRESSIONS, MODES, PRECISIONS, check_run_options
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
@@ -96,26 +96,15 @@ DEFAULTS: dict[str, Any] = {
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(
+    option = add_configurable_command(
         commands,
         "train",
         help="train a model from a Python module together with a swarm",
         doc=__doc__,
-        argument_default=argparse.SUPPRESS,
+        defaults=DEFAULTS,
     )
-    group: Any = parser
-
-    def option(name: str, **kwargs: Any) -> None:
-        flags = [f"--{name}"]
-        if "-" in name:
-            flags.append(f"--{name.replace('-', '_')}")
-        dest = name.replace("-", "_")
-        if "help" in kwargs and DEFAULTS.get(dest) not in (None, [], False):
-            kwargs["help"] += f" (default: {DEFAULTS[dest]})"
-        group.add_argument(*flags, dest=dest, **kwargs)
-
-    option("config", help="JSON, TOML or YAML file with any of these options")
-    group = parser.add_argument_group("what to train")
+    parser = option.parser
+    option.group("what to train")
     option("model-module", help="Python file defining make_model, loss_fn and the data")
     option("module-options", nargs="*", metavar="KEY=VALUE", help="passed to its configure()")
     option("run-id", help="peers with the same run id train together")
@@ -129,7 +118,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     option("batch-size", type=int, help="samples per local step")
     option("epochs", type=int, help="stop after this many global epochs (default: never)")
     option("seed", type=int, help="seed of this peer's data order (default: random)")
-    group = parser.add_argument_group("collaboration")
+    option.group("collaboration")
     option("matchmaking-time", type=float, help="seconds to gather peers for averaging")
     option("averaging-timeout", type=float, help="seconds an averaging round may take")
     option("metadata-expiration", type=float, help="seconds a dead peer's progress still counts")
@@ -140,7 +129,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=float,
         help="seconds between this peer's metrics records for swarmgrad monitor (0: none)",
     )
-    group = parser.add_argument_group("device, precision and mode")
+    option.group("device, precision and mode")
     option("device", help="auto, cpu, cuda or cuda:N (auto: CUDA when torch sees a GPU)")
     option("precision", choices=PRECISIONS, help="autocast dtype; fp16 scales the loss")
     option(
@@ -157,24 +146,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     option("grad-compression", choices=COMPRESSIONS, help="sync: codec of the gradients")
     option("offload", action="store_const", const=True,
            help="keep the optimizer's master copy in host memory (sync's default)")  # fmt: skip
-    group.add_argument("--no-offload", dest="offload", action="store_const", const=False,
-                       help="keep the optimizer on the model's device")  # fmt: skip
+    option.current.add_argument(
+        "--no-offload", dest="offload", action="store_const", const=False,
+        help="keep the optimizer on the model's device",
+    )  # fmt: skip
     option("delay", action="store_true",
            help="average and step in the background while the next epoch computes")  # fmt: skip
     option("clip-grad-norm", type=float, help="clip each local step's gradient norm")
     option("grad-accumulation", type=int, help="batches of --batch-size per optimizer step")
-    group = parser.add_argument_group("checkpoints")
+    option.group("checkpoints")
     option("checkpoint-dir", help="save to and resume from this directory")
     option("checkpoint-every", type=int, help="epochs between checkpoints")
     option("keep-checkpoints", type=int, help="how many of the newest checkpoints stay")
-    group = parser.add_argument_group("network and DHT")
+    option.group("network and DHT")
     option("initial-peers", nargs="*", help="multiaddrs of peers already in the swarm")
     option("host-maddrs", nargs="+", help="addresses to listen on (tcp/0 picks a port)")
     option("announce-maddrs", nargs="*", help="public addresses to advertise (behind NAT)")
     option("identity-path", help="ed25519 key file (created if missing): a stable PeerID")
     option("authority-key", help="admit only peers with tokens from this authority")
     option("access-token", help="this peer's token file (swarmgrad authority issue)")
-    group = parser.add_argument_group("output")
+    option.group("output")
     option("progress-json", action="store_true", help="one JSON line per event on stdout")
     option("tensorboard", metavar="DIR", help="write the metrics per epoch for TensorBoard here")
     option("wandb", metavar="PROJECT", help="log the metrics per epoch to this W&B project")
@@ -187,22 +178,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Defaults, then the config file, then the command line; refuses what cannot work."""
-    given = {k: v for k, v in vars(args).items() if k not in ("run", "train_parser", "command")}
-    settings = dict(DEFAULTS)
-    from_file: dict[str, Any] = {}
-    if given.get("config"):
-        config = load_config(given["config"])
-        tokens = config_tokens(config, given["config"], DEFAULTS)
-        from_file = {
-            k: v for k, v in vars(args.train_parser.parse_args(tokens)).items() if k in DEFAULTS
-        }
-        if config.get("offload") is False:  # (a false flag gives no token: --no-offload)
-            from_file["offload"] = False
-        settings.update(from_file)
-    settings.update(given)
-    for key in ("initial_peers", "host_maddrs", "announce_maddrs", "module_options"):
-        if isinstance(settings[key], str):
-            settings[key] = [settings[key]]
+    settings, given = layered_settings(args, args.train_parser, DEFAULTS)
     for key in ("model_module", "run_id"):
         if not settings[key]:
             raise ValueError(f"--{key.replace('_', '-')} is required")
@@ -214,7 +190,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     if settings["epochs"] is not None and settings["epochs"] <= 0:
         raise ValueError(f"--epochs must be positive, got {settings['epochs']}")
     settings["module_options"] = parse_module_options(settings["module_options"])
-    settings["_given"] = set(given) | set(from_file)
+    settings["_given"] = given
     check_run_options(settings, settings["_given"])
     if settings["role"] == "keeper":
         if not settings["checkpoint_dir"]:
@@ -247,9 +223,7 @@ def parse_module_options(items: list[str]) -> dict[str, str]:
 # ---------------------------------------------------------------------- running
 
 
-def _usage_error(message: str) -> int:
-    print(f"swarmgrad train: error: {message}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
+_usage_error = partial(usage_error, "train")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -261,9 +235,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # ModelModuleError and ValidationError are ValueErrors
         return _usage_error(str(e))
     use_swarmgrad_log_handler(str(settings["log_level"]).upper())
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = stop_on_signals()
     return Trainer(module, settings, stop).run()
 
 

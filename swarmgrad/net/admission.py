@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -61,10 +61,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TOKEN_TEXT_PREFIX = "sgt1."
-_TOKEN_TAG = "swarmgrad-token"
-_REVOCATION_TAG = "swarmgrad-revocations"
-_TOKEN_SIGNING_TAG = b"swarmgrad-access-token-v1|"
-_REVOCATION_SIGNING_TAG = b"swarmgrad-revocation-list-v1|"
 _VERSION = 1
 MAX_TOKEN_BYTES = 1024
 MAX_REVOCATION_BYTES = 768 * 1024  # fits a DHT value (1 MiB by default)
@@ -199,8 +195,31 @@ def _peer_field(body: dict, name: str, what: str) -> PeerID:
 # ------------------------------------------------------------------------ signed records
 
 
+class _SignedRecord:
+    """What the authority's two records share: a msgpack ``body`` signed under a tag of
+    its kind, and the wire form ``[tag, version, body, signature]``."""
+
+    _tag: str  # the first field of the wire form
+    _signing_tag: bytes  # what the signature covers before the body
+    body: bytes
+    signature: bytes
+
+    @property
+    def signed_message(self) -> bytes:
+        return self._signing_tag + self.body
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self._tag, _VERSION, self.body, self.signature])
+
+    @classmethod
+    def _sign(cls, identity: Identity, body: bytes) -> bytes:
+        """The wire form of ``body`` signed by ``identity``."""
+        signature = identity.sign(cls._signing_tag + body)
+        return msgpack.packb([cls._tag, _VERSION, body, signature])
+
+
 @dataclass(frozen=True)
-class AccessToken:
+class AccessToken(_SignedRecord):
     """Admission of one PeerID, in one role, from ``issued_at`` until ``expires_at`` (UNIX
     seconds), signed by ``issuer``. :meth:`decode` only parses; :class:`Admission` checks
     the signature, the issuer, the times and revocations."""
@@ -213,13 +232,8 @@ class AccessToken:
     issuer: PeerID
     body: bytes = field(repr=False)
     signature: bytes = field(repr=False)
-
-    @property
-    def signed_message(self) -> bytes:
-        return _TOKEN_SIGNING_TAG + self.body
-
-    def encode(self) -> bytes:
-        return msgpack.packb([_TOKEN_TAG, _VERSION, self.body, self.signature])
+    _tag: ClassVar[str] = "swarmgrad-token"
+    _signing_tag: ClassVar[bytes] = b"swarmgrad-access-token-v1|"
 
     def to_text(self) -> str:
         return TOKEN_TEXT_PREFIX + base64.urlsafe_b64encode(self.encode()).decode().rstrip("=")
@@ -232,7 +246,7 @@ class AccessToken:
     def decode(cls, data: bytes | bytearray | memoryview) -> AccessToken:
         """Parse the wire form; TokenError, naming what is wrong, for anything else."""
         what = "access token"
-        body_bytes, signature, body = _unpack_signed(data, _TOKEN_TAG, what, MAX_TOKEN_BYTES)
+        body_bytes, signature, body = _unpack_signed(data, cls._tag, what, MAX_TOKEN_BYTES)
         peer_id = _peer_field(body, "peer", what)
         issuer = _peer_field(body, "iss", what)
         role_name = _field(body, "role", str, what)
@@ -292,7 +306,7 @@ class AccessToken:
 
 
 @dataclass(frozen=True)
-class RevocationList:
+class RevocationList(_SignedRecord):
     """PeerIDs and token ids the authority no longer admits. Each list replaces the
     previous one (the higher ``serial`` wins), so it holds every revocation still in
     force."""
@@ -305,13 +319,8 @@ class RevocationList:
     token_ids: frozenset[bytes]
     body: bytes = field(repr=False)
     signature: bytes = field(repr=False)
-
-    @property
-    def signed_message(self) -> bytes:
-        return _REVOCATION_SIGNING_TAG + self.body
-
-    def encode(self) -> bytes:
-        return msgpack.packb([_REVOCATION_TAG, _VERSION, self.body, self.signature])
+    _tag: ClassVar[str] = "swarmgrad-revocations"
+    _signing_tag: ClassVar[bytes] = b"swarmgrad-revocation-list-v1|"
 
     def revokes(self, token: AccessToken) -> bool:
         return token.peer_id in self.peers or token.token_id in self.token_ids
@@ -319,9 +328,7 @@ class RevocationList:
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> RevocationList:
         what = "revocation list"
-        body_bytes, signature, body = _unpack_signed(
-            data, _REVOCATION_TAG, what, MAX_REVOCATION_BYTES
-        )
+        body_bytes, signature, body = _unpack_signed(data, cls._tag, what, MAX_REVOCATION_BYTES)
         issuer = _peer_field(body, "iss", what)
         serial = _field(body, "serial", int, what)
         if not 0 <= serial < 2**63:
@@ -402,8 +409,7 @@ class Authority:
                 "iss": self.public_key.to_bytes(),
             }
         )
-        signature = self.identity.sign(_TOKEN_SIGNING_TAG + body)
-        return AccessToken.decode(msgpack.packb([_TOKEN_TAG, _VERSION, body, signature]))
+        return AccessToken.decode(AccessToken._sign(self.identity, body))
 
     def revocation_list(
         self,
@@ -425,9 +431,7 @@ class Authority:
                 "tokens": sorted(bytes(t) for t in token_ids),
             }
         )
-        signature = self.identity.sign(_REVOCATION_SIGNING_TAG + body)
-        encoded = msgpack.packb([_REVOCATION_TAG, _VERSION, body, signature])
-        return RevocationList.decode(encoded)
+        return RevocationList.decode(RevocationList._sign(self.identity, body))
 
 
 def load_authority_key(spec: PeerID | str | os.PathLike | Authority) -> PeerID:

@@ -7,7 +7,7 @@ epoch through the :class:`~.progress_tracker.ProgressTracker`, deciding when a p
 behind and must load the swarm's state (and loading it), moving to the next epoch,
 offering the state to joiners, waiting for a round without waiting for nobody, the
 metrics record, and leaving. An optimizer's ``step`` asks it a few questions
-(:meth:`should_load_state`, :meth:`look_again_if_alone`, :meth:`round_window`) and
+(:meth:`should_load_state`, :meth:`look_again_if_alone`, :meth:`round_start`) and
 tells it a few facts (:meth:`enter_epoch`, :meth:`mark_left_behind`).
 
 Composition rather than a base class: see ``docs/design-notes.md`` ("One epoch
@@ -114,19 +114,21 @@ class EpochMachinery:
                 logger.debug("%s: refreshing progress failed: %r", self.run_id, e)
         return not self.alone()
 
-    def round_window(self, due_time: float) -> float | None:
-        """Seconds until ``due_time`` (DHT time) if a round due then should look for its
-        group now, that is within ``matchmaking_time``; None while it is further off."""
-        eta = due_time - get_dht_time()
-        return eta if eta <= self.matchmaking_time else None
-
-    def round_start(self, scheduled: StepControl | None, eta: float, averager: Any) -> float | None:
-        """When (DHT time) a new round of ``averager``, for what is due in ``eta`` seconds,
-        should begin: in ``eta`` seconds, or the averager's ``min_matchmaking_time`` if
-        longer; None while ``scheduled`` still waits for its group (it is that round)."""
+    def round_start(
+        self, scheduled: StepControl | None, due_time: float, averager: Any
+    ) -> float | None:
+        """When (DHT time) a new round of ``averager``, for what is due at ``due_time`` (DHT
+        time), should begin: then, or after the averager's ``min_matchmaking_time`` if that
+        is later. None while ``due_time`` is more than ``matchmaking_time`` away (too early
+        to look for a group) or while ``scheduled`` still waits for its group (it is that
+        round)."""
+        now = get_dht_time()
+        eta = due_time - now
+        if eta > self.matchmaking_time:
+            return None
         if scheduled is not None and not scheduled.triggered and not scheduled.done():
             return None
-        return get_dht_time() + max(eta, averager._options["min_matchmaking_time"])
+        return now + max(eta, averager._options["min_matchmaking_time"])
 
     # ------------------------------------------------------------------ deciding
 

@@ -90,10 +90,8 @@ class GradientRounds:
 
     def maybe_schedule(self) -> None:
         """If the epoch ends within matchmaking_time, start looking for its group now."""
-        eta = self.epochs.round_window(self.tracker.estimated_next_update_time)
-        if eta is None:
-            return
-        start = self.epochs.round_start(self.scheduled, eta, self.averager)
+        due = self.tracker.estimated_next_update_time
+        start = self.epochs.round_start(self.scheduled, due, self.averager)
         if start is not None:
             self.scheduled = self.averager.schedule_step(
                 scheduled_time=start,

@@ -693,10 +693,7 @@ class Optimizer(torch.optim.Optimizer):
             + self.delay_before_state_averaging.ema_seconds_per_sample
             + self.state_averager.delay_before_averaging.ema_seconds_per_sample
         )
-        eta = self.epochs.round_window(estimated)
-        if eta is None:
-            return
-        start = self.epochs.round_start(self.scheduled_state, eta, self.state_averager)
+        start = self.epochs.round_start(self.scheduled_state, estimated, self.state_averager)
         if start is not None:
             self.scheduled_state = self.state_averager.schedule_step(
                 scheduled_time=start,

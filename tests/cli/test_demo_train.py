@@ -132,3 +132,43 @@ def test_progress_follows_the_newest_global_epoch_and_counts_trainers_that_train
     assert [(loss, peers) for _, loss, peers in watch.history] == [(5.0, 2), (3.0, 3)]
     assert watch.trained == {1, 2}
     assert watch.samples_per_s([one, two]) == 100.0  # the dead trainer no longer counts
+
+
+class _FailingDemo(demo_train.DemoRun):
+    """A demo whose process writes a log and then fails (no real process)."""
+
+    title = "swarmgrad demo failing"
+    runs: list[_FailingDemo] = []
+
+    def __init__(self, args: argparse.Namespace, workdir: Path):
+        super().__init__(args, workdir)
+        self.stopped = 0
+        _FailingDemo.runs.append(self)
+
+    def main(self) -> int:
+        (self.workdir / "peer.log").write_text("starting\nthe reason it broke\n")
+        raise RuntimeError("the peer exited")
+
+    def failed_logs(self):
+        return [(self.workdir / "peer.log", "peer 1")]
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+
+def test_a_failed_demo_shows_its_logs_stops_once_and_removes_its_folder(capsys):
+    args = argparse.Namespace()
+    assert demo_train.run_demo(_FailingDemo, args, lambda a: None) == 1
+    out = capsys.readouterr().out
+    assert "swarmgrad demo failing: failed: the peer exited" in out
+    assert "last lines of peer 1's log" in out and "the reason it broke" in out
+    (run,) = _FailingDemo.runs
+    assert run.stopped == 1 and not run.workdir.exists()
+    assert run.workdir.name.startswith("swarmgrad-demo-failing-")
+
+    def refuse(a: argparse.Namespace) -> None:
+        raise ValueError("--peers must be at least 4")
+
+    assert demo_train.run_demo(_FailingDemo, args, refuse) == 2
+    assert "swarmgrad demo failing: error: --peers must be at least 4" in capsys.readouterr().out
+    assert len(_FailingDemo.runs) == 1  # refused before any folder or process

@@ -56,6 +56,23 @@ def test_a_config_file_fills_options_and_the_command_line_overrides_it(tmp_path,
     assert settings["initial_peers"] == ["/ip4/1.2.3.4/tcp/5"] and settings["increase_file_limit"]
 
 
+def test_a_false_flag_in_the_config_file_turns_the_option_off_unless_the_command_line_says(
+    tmp_path,
+):
+    """``use_relay = false`` stands for ``--no-relay`` (it was once dropped silently)."""
+    path = tmp_path / "server.toml"
+    path.write_text('expert_cls = "nop"\nuse_relay = false\nuse_auto_relay = false\n')
+    settings = server_command.resolve_settings(parse("--config", str(path)))
+    assert settings["use_relay"] is False and settings["use_auto_relay"] is False
+    path.write_text('expert_cls = "nop"\n')
+    assert server_command.resolve_settings(parse("--config", str(path)))["use_relay"] is True
+    path.write_text('expert_cls = "nop"\nuse_relay = false\n')
+    assert (
+        server_command.resolve_settings(parse("--config", str(path), "--no-relay"))["use_relay"]
+        is False
+    )
+
+
 def test_a_bad_config_file_is_named_in_the_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"expert_cls": "nop", "hiden_dim": 8}')

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from swarmgrad.averaging.step_control import AveragingStage, StepControl
 from swarmgrad.optim.epoch_machinery import EpochMachinery, must_load_state
+from swarmgrad.utils.timeutils import get_dht_time
 from tests.helpers.optim import dht_swarm, make_model, make_optimizer
 
 epochs = st.integers(min_value=0, max_value=10**6)
@@ -240,3 +241,17 @@ def test_a_partial_read_showing_nobody_else_is_no_reason_to_give_a_round_up():
     with pytest.raises(TimeoutError):
         machinery.wait_for_round(control, 3)
     assert not control.cancelled()
+
+
+def test_a_round_looks_for_its_group_within_matchmaking_time_of_its_due_time_once():
+    machinery = _machinery(_Tracker(), _StateAverager())  # matchmaking_time=1.0
+    averager = SimpleNamespace(_options={"min_matchmaking_time": 0.5})
+    now = get_dht_time()
+    assert machinery.round_start(None, now + 30.0, averager) is None  # too early to look
+    assert machinery.round_start(None, now + 0.9, averager) == pytest.approx(now + 0.9, abs=0.1)
+    # due sooner than the averager needs to find a group: it gets its min_matchmaking_time
+    assert machinery.round_start(None, now, averager) == pytest.approx(now + 0.5, abs=0.1)
+    waiting = _looking()
+    assert machinery.round_start(waiting, now + 0.9, averager) is None  # that round is it
+    waiting.cancel()
+    assert machinery.round_start(waiting, now + 0.9, averager) is not None  # a new one
