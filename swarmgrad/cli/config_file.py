@@ -106,12 +106,15 @@ def config_tokens(
     path: str,
     known: Collection[str],
     negative_flags: Mapping[str, str] | None = None,
+    flags: Collection[str] | None = None,
 ) -> list[str]:
     """The config as command-line tokens; options outside ``known`` are refused by name.
 
     A list becomes one flag followed by its items; a table (e.g. ``module_options``)
     becomes one flag followed by ``KEY=VALUE`` items; ``false`` gives no token, except for
-    an option with a flag that turns it off (``negative_flags["use_relay"] = "--no-relay"``)."""
+    an option with a flag that turns it off (``negative_flags["use_relay"] = "--no-relay"``).
+    ``true`` for an option that has only such a flag (it is on unless turned off; the
+    parser's option strings are in ``flags``) gives no token either."""
     negative_flags = negative_flags or {}
     unknown = sorted(set(config) - set(known) - {"config"})
     if unknown:
@@ -122,6 +125,8 @@ def config_tokens(
             continue
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
+            if value and key in negative_flags and flags is not None and flag not in flags:
+                continue  # on by default: nothing to say
             if value:
                 tokens.append(flag)
             elif key in negative_flags:
@@ -154,8 +159,9 @@ def layered_settings(
             for a in actions
             if a.option_strings and a.option_strings[0].startswith("--no-")
         }
+        flags = {flag for a in actions for flag in a.option_strings}
         tokens = config_tokens(
-            load_config(given["config"]), given["config"], defaults, negative_flags
+            load_config(given["config"]), given["config"], defaults, negative_flags, flags
         )
         from_file = {k: v for k, v in vars(parser.parse_args(tokens)).items() if k in defaults}
     settings.update(from_file)

@@ -66,6 +66,8 @@ def test_a_false_flag_in_the_config_file_turns_the_option_off_unless_the_command
     assert settings["use_relay"] is False and settings["use_auto_relay"] is False
     path.write_text('expert_cls = "nop"\n')
     assert server_command.resolve_settings(parse("--config", str(path)))["use_relay"] is True
+    path.write_text('expert_cls = "nop"\nuse_relay = true\n')  # on by default: accepted
+    assert server_command.resolve_settings(parse("--config", str(path)))["use_relay"] is True
     path.write_text('expert_cls = "nop"\nuse_relay = false\n')
     assert (
         server_command.resolve_settings(parse("--config", str(path), "--no-relay"))["use_relay"]
