@@ -40,7 +40,11 @@ from functools import partial
 from typing import Any
 
 from swarmgrad.cli.common import EXIT_FAILED, EXIT_OK, stop_on_signals, usage_error
-from swarmgrad.cli.config_file import add_configurable_command, layered_settings
+from swarmgrad.cli.config_file import (
+    add_configurable_command,
+    add_network_options,
+    layered_settings,
+)
 from swarmgrad.cli.dht_command import admission_kwargs
 from swarmgrad.cli.train_setup import COMPRESSIONS, MODES, PRECISIONS, check_run_options
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
@@ -158,13 +162,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     option("checkpoint-dir", help="save to and resume from this directory")
     option("checkpoint-every", type=int, help="epochs between checkpoints")
     option("keep-checkpoints", type=int, help="how many of the newest checkpoints stay")
-    option.group("network and DHT")
-    option("initial-peers", nargs="*", help="multiaddrs of peers already in the swarm")
-    option("host-maddrs", nargs="+", help="addresses to listen on (tcp/0 picks a port)")
-    option("announce-maddrs", nargs="*", help="public addresses to advertise (behind NAT)")
-    option("identity-path", help="ed25519 key file (created if missing): a stable PeerID")
-    option("authority-key", help="admit only peers with tokens from this authority")
-    option("access-token", help="this peer's token file (swarmgrad authority issue)")
+    add_network_options(option, "peer")
     option.group("output")
     option("progress-json", action="store_true", help="one JSON line per event on stdout")
     option("tensorboard", metavar="DIR", help="write the metrics per epoch for TensorBoard here")
