@@ -160,6 +160,7 @@ def test_weights_are_capped_at_a_multiple_of_the_median():
     capped = cap_weights(torch.tensor([1.0, 1.0, 2.0, 1000.0]), 3.0)
     assert capped.tolist() == [1.0, 1.0, 2.0, 3.0]
     assert cap_weights(torch.zeros(3), 3.0).tolist() == [0.0, 0.0, 0.0]
+    assert cap_weights(torch.tensor(5.0), 3.0).tolist() == 5.0  # a single weight, 0-d
     rule = CenteredClip(tau=10.0)
     inputs = torch.tensor([[0.0], [0.0], [0.0], [9.0]])
     result, _ = rule.aggregate(inputs, torch.tensor([1.0, 1.0, 1.0, 1e9]))

@@ -55,7 +55,8 @@ def cap_weights(weights: torch.Tensor, max_weight_ratio: float) -> torch.Tensor:
     count); all-zero weights stay zero."""
     if weights.numel() == 0:
         return weights
-    return torch.tensor(_capped(weights.tolist(), max_weight_ratio), dtype=weights.dtype)
+    capped = _capped(weights.reshape(-1).tolist(), max_weight_ratio)
+    return torch.tensor(capped, dtype=weights.dtype).reshape(weights.shape)
 
 
 def _capped(weights: list[float], max_weight_ratio: float) -> list[float]:
