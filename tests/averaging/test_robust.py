@@ -160,7 +160,6 @@ def test_weights_are_capped_at_a_multiple_of_the_median():
     capped = cap_weights(torch.tensor([1.0, 1.0, 2.0, 1000.0]), 3.0)
     assert capped.tolist() == [1.0, 1.0, 2.0, 3.0]
     assert cap_weights(torch.zeros(3), 3.0).tolist() == [0.0, 0.0, 0.0]
-    assert cap_weights(torch.tensor(5.0), 3.0).tolist() == 5.0  # a single weight, 0-d
     rule = CenteredClip(tau=10.0)
     inputs = torch.tensor([[0.0], [0.0], [0.0], [9.0]])
     result, _ = rule.aggregate(inputs, torch.tensor([1.0, 1.0, 1.0, 1e9]))
@@ -191,6 +190,14 @@ def test_weight_capping_follows_its_definition_on_tensors(weights, ratio, dtype)
     assert float(result) == pytest.approx(float(mean), rel=1e-5, abs=1e-5)
 
 
+def test_weights_that_are_nan_or_infinite_are_refused_and_a_0d_weight_keeps_its_shape():
+    for rule in RULES:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            with pytest.raises(ValidationError, match="weights must be finite and >= 0"):
+                rule.aggregate(torch.zeros(2, 2), torch.tensor([1.0, bad]))
+    assert cap_weights(torch.tensor(5.0), 3.0).tolist() == 5.0
+
+
 def test_bad_parameters_and_inputs_are_refused_by_name():
     for make, reason in (
         (lambda: CenteredClip(tau=0), "tau must be a positive number"),
@@ -208,9 +215,8 @@ def test_bad_parameters_and_inputs_are_refused_by_name():
         rule.aggregate(torch.zeros(3), torch.ones(3))
     with pytest.raises(ValidationError, match="no inputs"):
         rule.aggregate(torch.zeros(0, 2), torch.ones(0))
-    for bad in (-1.0, float("nan"), float("inf")):
-        with pytest.raises(ValidationError, match="weights must be finite"):
-            rule.aggregate(torch.zeros(2, 2), torch.tensor([1.0, bad]))
+    with pytest.raises(ValidationError, match="weights must be finite"):
+        rule.aggregate(torch.zeros(2, 2), torch.tensor([1.0, -1.0]))
     assert CenteredClip(tau=1.0).tag != CenteredClip(tau=2.0).tag != TrimmedMean().tag
     assert CenteredClip(min_inputs=3).tag != CenteredClip().tag  # members agree on the quorum
     assert CenteredClip(outlier_factor=5).tag == CenteredClip().tag  # blame only, not results
