@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from swarmgrad.utils.errors import DeadlineExceeded
+from swarmgrad.utils.torch_threads import follow_torch_threads
 
 __all__ = [
     "get_loop",
@@ -144,6 +145,7 @@ class _Runtime:
             raise RuntimeError("the swarmgrad event loop thread did not start")
 
     def _serve(self, ready: threading.Event) -> None:
+        follow_torch_threads()  # the robust rule's and codecs' matrix products run here
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(ready.set)
         try:

@@ -166,6 +166,38 @@ def test_weights_are_capped_at_a_multiple_of_the_median():
     assert float(result) <= 9.0 * 3 / 6 + 1e-6  # the claim counts as 3, not a billion
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.0, 0.25, 1.0, 3.0, 7.5, 1e6]), min_size=1, max_size=12),
+    st.sampled_from([1.0, 2.5, 3.0]),
+    st.sampled_from([torch.float32, torch.float64]),
+)
+def test_weight_capping_follows_its_definition_on_tensors(weights, ratio, dtype):
+    """cap_weights works on Python floats; the definition on tensors: the lower median,
+    of the positive weights when the median is 0."""
+    tensor = torch.tensor(weights, dtype=dtype)
+    median = float(tensor.median())
+    if median <= 0 and bool((tensor > 0).any()):
+        median = float(tensor[tensor > 0].median())
+    expected = tensor.clamp(max=ratio * median) if median > 0 else tensor
+    capped = cap_weights(tensor, ratio)
+    assert capped.dtype == dtype and torch.equal(capped, expected)
+    # the rule normalises what it capped: all-zero weights count as equal ones
+    inputs = torch.arange(float(len(weights)), dtype=dtype).unsqueeze(1)
+    result, _ = CenteredClip(tau=1e9, max_weight_ratio=ratio).aggregate(inputs, tensor)
+    shares = expected / expected.sum() if float(expected.sum()) > 0 else None
+    mean = inputs.mean() if shares is None else shares @ inputs.squeeze(1)
+    assert float(result) == pytest.approx(float(mean), rel=1e-5, abs=1e-5)
+
+
+def test_weights_that_are_nan_or_infinite_are_refused_and_a_0d_weight_keeps_its_shape():
+    for rule in RULES:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            with pytest.raises(ValidationError, match="weights must be finite and >= 0"):
+                rule.aggregate(torch.zeros(2, 2), torch.tensor([1.0, bad]))
+    assert cap_weights(torch.tensor(5.0), 3.0).tolist() == 5.0
+
+
 def test_bad_parameters_and_inputs_are_refused_by_name():
     for make, reason in (
         (lambda: CenteredClip(tau=0), "tau must be a positive number"),

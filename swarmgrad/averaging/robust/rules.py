@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,12 +55,21 @@ def cap_weights(weights: torch.Tensor, max_weight_ratio: float) -> torch.Tensor:
     count); all-zero weights stay zero."""
     if weights.numel() == 0:
         return weights
-    median = float(weights.median())
+    capped = _capped(weights.reshape(-1).tolist(), max_weight_ratio)
+    return torch.tensor(capped, dtype=weights.dtype).reshape(weights.shape)
+
+
+def _capped(weights: list[float], max_weight_ratio: float) -> list[float]:
+    """:func:`cap_weights` on a list: a group's few weights cost less as Python floats
+    than as a handful of tensor calls."""
+    median = sorted(weights)[(len(weights) - 1) // 2]
     if median <= 0:
-        median = float(weights[weights > 0].median()) if bool((weights > 0).any()) else 0.0
+        positive = sorted(w for w in weights if w > 0)
+        median = positive[(len(positive) - 1) // 2] if positive else 0.0
     if median <= 0:
         return weights
-    return weights.clamp(max=max_weight_ratio * median)
+    cap = max_weight_ratio * median
+    return [min(w, cap) for w in weights]
 
 
 NETWORK_MAX_INPUTS = 16  # above this, torch's sort; below, a sorting network
@@ -165,7 +175,8 @@ class AggregationRule:
     ) -> tuple[torch.Tensor, list[bool]]:
         raise NotImplementedError
 
-    def _check(self, inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _check(self, inputs: torch.Tensor, weights: torch.Tensor) -> list[float]:
+        """The capped weights, as Python floats rounded to the inputs' dtype."""
         if inputs.dim() != 2 or weights.shape != (inputs.shape[0],):
             raise ValidationError(
                 f"inputs must be [n, d] with n weights, got {tuple(inputs.shape)} and "
@@ -173,12 +184,12 @@ class AggregationRule:
             )
         if inputs.shape[0] == 0:
             raise ValidationError("nothing to aggregate: no inputs")
-        weights = weights.to(inputs.dtype)
-        if bool((weights < 0).any()) or not bool(torch.isfinite(weights).all()):
+        values = weights.to(inputs.dtype).tolist()
+        if not all(0 <= w < math.inf for w in values):  # NaN fails both comparisons
             raise ValidationError("weights must be finite and >= 0")
-        if float(weights.sum()) <= 0:  # all weight 0 (auxiliary-only): equal weights
-            weights = torch.ones_like(weights)
-        return cap_weights(weights, self.max_weight_ratio)
+        if sum(values) <= 0:  # all weight 0 (auxiliary-only): equal weights
+            values = [1.0] * len(values)
+        return _capped(values, self.max_weight_ratio)
 
 
 @dataclass(frozen=True)
@@ -226,8 +237,9 @@ class CenteredClip(AggregationRule):
         the final combination). Working with offsets from the median keeps the
         distances free of cancellation for inputs that nearly agree (parameters in sync);
         the small algebra is float64."""
-        weights = self._check(inputs, weights)
-        w = (weights / weights.sum()).to(torch.float64).numpy()
+        dtype = _NUMPY_DTYPE.get(inputs.dtype, np.float64)
+        capped = np.array(self._check(inputs, weights), dtype=dtype)
+        w = (capped / capped.sum()).astype(np.float64)  # normalised in the inputs' dtype
         median = lower_median(inputs)
         offsets = inputs - median  # [n, d]
         gram = (offsets @ offsets.T).to(torch.float64).numpy()  # [n, n]
@@ -255,10 +267,16 @@ class CenteredClip(AggregationRule):
             center_sq = float(beta @ gram_beta)
             if step_sq <= (1e-7 * scale) ** 2:
                 break
-        clipped = distances > tau  # at the last center the loop measured
-        combination = torch.from_numpy(beta).to(inputs.dtype)
-        stands_out = clipped & (distances > self.outlier_factor * float(np.median(distances)))
-        return median + combination @ offsets, stands_out.tolist()
+        # blame: clipped at the last center the loop measured, and far beyond the others
+        distances = distances.tolist()  # n floats: Python's median and comparisons are cheap
+        typical = self.outlier_factor * statistics.median(distances)
+        stands_out = [d > tau and d > typical for d in distances]
+        combination = torch.tensor(beta.tolist(), dtype=inputs.dtype)
+        return median + combination @ offsets, stands_out
+
+
+# the inputs' dtype for the weights' normalisation; float64 for any other (half) dtype
+_NUMPY_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 @dataclass(frozen=True)

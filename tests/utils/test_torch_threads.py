@@ -1,0 +1,67 @@
+"""Threads the library starts take torch's intra-op thread count (swarmgrad.utils.torch_threads)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from swarmgrad.utils.loop_thread import run_coroutine, shutdown_loop
+from swarmgrad.utils.torch_threads import follow_torch_threads
+
+TASKS = "/proc/self/task"
+
+
+def os_threads_started_by_a_matrix_product() -> int:
+    """How many OS threads one small matrix product starts in the calling thread (an
+    OpenMP team that MKL runs it on)."""
+    before = len(os.listdir(TASKS))
+    inputs = torch.randn(8, 300)
+    _ = inputs @ inputs.T
+    return len(os.listdir(TASKS)) - before
+
+
+def in_a_new_thread(prepare) -> int:
+    started = []
+
+    def run() -> None:
+        prepare()
+        started.append(os_threads_started_by_a_matrix_product())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    return started[0]
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    if not os.path.isdir(TASKS):
+        pytest.skip("counts OS threads through /proc")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    shutdown_loop()  # the loop thread starts again under this setting
+    try:
+        yield
+    finally:
+        shutdown_loop()
+        torch.set_num_threads(saved)
+
+
+def test_a_thread_that_follows_torch_runs_a_matrix_product_on_itself_alone(one_intra_op_thread):
+    if in_a_new_thread(lambda: None) == 0:
+        pytest.skip("this torch build starts no OpenMP team for a product in a new thread")
+    # without the call, the product above started a team despite set_num_threads(1)
+    assert in_a_new_thread(follow_torch_threads) == 0
+
+
+def test_the_event_loop_thread_follows_torchs_thread_count(one_intra_op_thread):
+    if in_a_new_thread(lambda: None) == 0:
+        pytest.skip("this torch build starts no OpenMP team for a product in a new thread")
+
+    async def product() -> int:
+        return os_threads_started_by_a_matrix_product()
+
+    assert run_coroutine(product(), timeout=30) == 0
