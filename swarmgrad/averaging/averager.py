@@ -44,6 +44,7 @@ from swarmgrad.utils.compat import unsupported
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.loop_thread import run_coroutine, run_coroutine_future
 from swarmgrad.utils.serializer import MSGPackSerializer
+from swarmgrad.utils.torch_threads import follow_torch_threads
 
 __all__ = ["DecentralizedAverager"]
 
@@ -221,6 +222,7 @@ class DecentralizedAverager:
                 raise ValidationError("the DHT is not running: start it before the averager")
 
             async def create() -> AsyncDecentralizedAverager:
+                follow_torch_threads()  # the loop may have started before torch was imported
                 core = AsyncDecentralizedAverager(
                     self._averaged_tensors,
                     peer,

@@ -15,13 +15,18 @@ rule's round-time cost (``robust_overhead``, benchmarks/byzantine.py).
 
 from __future__ import annotations
 
+import sys
+
 __all__ = ["follow_torch_threads"]
 
 
 def follow_torch_threads() -> None:
     """Give the calling thread torch's intra-op thread count (OpenMP's and MKL's, as
     ``torch.set_num_threads`` set it, or torch's default). Call it first in a thread
-    that may run torch kernels."""
-    import torch
-
+    that may run torch kernels. Where torch is not imported yet (a DHT-only peer), it does
+    nothing rather than import it (torch costs a peer 130 MB of its own memory); code
+    that brings tensors to the thread later calls it again (the averager does)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
     torch.get_num_threads()  # runs torch's per-thread set-up (at::init_num_threads)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -65,3 +67,22 @@ def test_the_event_loop_thread_follows_torchs_thread_count(one_intra_op_thread):
         return os_threads_started_by_a_matrix_product()
 
     assert run_coroutine(product(), timeout=30) == 0
+
+
+def test_a_dht_only_peer_never_imports_torch():
+    """A DHT peer (bootstrap, benchmarks/dht.py's peers) stays ~30 MB: starting the loop
+    thread must not pull torch in to follow its thread count."""
+    script = (
+        "import sys\n"
+        "from swarmgrad.dht import DHT\n"
+        "from swarmgrad.utils.timeutils import get_dht_time\n"
+        "dht = DHT(start=True)\n"
+        "dht.store('key', 'value', expiration_time=get_dht_time() + 60)\n"
+        "dht.shutdown()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False", "starting a DHT imported torch"
