@@ -234,9 +234,10 @@ def test_a_simulation_collects_young_garbage_less_often_and_restores_the_thresho
             assert gc.get_threshold() == (0, 10, 10)
             loop.run_until_complete(asyncio.sleep(0))
 
-        gc.set_threshold(100_000, 10, 10)  # a higher threshold is kept
-        assert run_simulation(main) == (100_000, 10, 10)
+        higher = 2 * SIMULATION_GC_THRESHOLD
+        gc.set_threshold(higher, 10, 10)  # a higher threshold is kept
+        assert run_simulation(main) == (higher, 10, 10)
         with virtual_loop():
-            assert gc.get_threshold() == (100_000, 10, 10)
+            assert gc.get_threshold() == (higher, 10, 10)
     finally:
         gc.set_threshold(*before)

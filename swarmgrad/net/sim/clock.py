@@ -138,7 +138,7 @@ class VirtualClockEventLoop(asyncio.SelectorEventLoop):
 
 #: Allocations between two young-generation collections while a simulation runs
 #: (CPython's default is 700). See :func:`_fewer_collections`.
-SIMULATION_GC_THRESHOLD = 50_000
+SIMULATION_GC_THRESHOLD = 200_000
 
 
 @contextlib.contextmanager
@@ -154,7 +154,10 @@ def _fewer_collections() -> Iterator[None]:
     generation's growth triggers full collections that walk the whole heap again and
     again: in the 1000-peer DHT test they took about half of the CPU time (measured with
     ``gc.callbacks``; 4772 collections, 30 of them full, for 300 peers; 28 in all with
-    this threshold).
+    a threshold of 50 000). From 50 000 to 200 000, more messages die before a young
+    collection sees them: the collector's CPU time while building a 300-peer swarm fell
+    from 1.7 s to 0.73 s (of about 16 s); beyond 200 000 it stays at 0.7 s (the middle
+    and old generations' share).
     """
     previous = gc.get_threshold()
     if previous[0] != 0:  # 0: automatic collection is off; leave it so
