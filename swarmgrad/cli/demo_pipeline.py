@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.cli import demo_pipeline_stages
 from swarmgrad.cli.demo_processes import ChildProcess, spawn
 from swarmgrad.cli.demo_train import (
     DemoRun,
@@ -51,6 +50,10 @@ from swarmgrad.cli.demo_train import (
 __all__ = ["add_arguments", "run"]
 
 PIPELINE = "demo-gpt"
+
+# the stage module, by path (importing it here would import torch for every command)
+STAGES_MODULE = Path(__file__).with_name("demo_pipeline_stages.py")
+HEADS = 4  # attention heads of every stage's blocks: --width must divide by it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +107,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--slowdown must be 0 or more")
     if not 0 <= args.kill_at < 1:
         raise ValueError("--kill-at must be in [0, 1)")
-    if args.width % demo_pipeline_stages.HEADS:
+    if args.width % HEADS:
         raise ValueError(f"--width must be a multiple of 4 (the heads), got {args.width}")
     if not 0 <= args.monitor_port <= 65535:
         raise ValueError(f"--monitor-port must be between 0 and 65535, got {args.monitor_port}")
@@ -149,7 +152,7 @@ class _PipelineSwarm(_Swarm):
                 index = len(started) + 1
                 process = spawn(
                     f"stage peer {index}", "serve-stage",
-                    "--module", demo_pipeline_stages.__file__, "--pipeline", PIPELINE,
+                    "--module", str(STAGES_MODULE), "--pipeline", PIPELINE,
                     "--stage", str(stage), "--initial-peers", self.bootstrap,
                     "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--update-period", "2",
                     "--average-period", "10", "--rebalance-interval", str(a.rebalance_interval),
@@ -287,7 +290,7 @@ def _untrained_loss(args: argparse.Namespace, held_out: Any) -> float:
     from swarmgrad.cli.tiny_lm import VOCAB
     from swarmgrad.pipeline.stages import load_stage_module
 
-    stages = [spec.module for spec in load_stage_module(demo_pipeline_stages.__file__).build()]
+    stages = [spec.module for spec in load_stage_module(str(STAGES_MODULE)).build()]
     windows, context = 64, args.context
     step = (len(held_out) - context - 1) // windows
     rows = torch.stack([held_out[i * step : i * step + context + 1] for i in range(windows)])

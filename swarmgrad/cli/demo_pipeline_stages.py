@@ -15,9 +15,8 @@ import os
 import torch
 from torch import nn
 
+from swarmgrad.cli.demo_pipeline import HEADS
 from swarmgrad.cli.tiny_lm import VOCAB, Block
-
-HEADS = 4
 
 
 def options() -> dict[str, float]:
