@@ -490,6 +490,7 @@ class Trainer:
 
         s = self.settings
         follows = isinstance(opt, StateKeeper)
+        _start_worker_thread()
         kept = opt.local_epoch if writer.last_good is not None else None
         logger.info("keeping the state of run %r every %d epochs in %s (now at epoch %d, %s)",
                     s["run_id"], s["keep_every"], s["checkpoint_dir"], opt.local_epoch,
@@ -505,7 +506,7 @@ class Trainer:
                     opt.load_state_from_peers()
             epoch = opt.local_epoch
             if epoch > 0 and (kept is None or epoch >= kept + s["keep_every"]):
-                writer.save(model, opt)
+                writer.save(model, opt, background=False)  # (it would wait for it anyway)
                 path = writer.wait()
                 exported = export_model(s["checkpoint_dir"], model)
                 kept = epoch
@@ -547,3 +548,26 @@ class Trainer:
                     f"model module {s['model_module']!r}: its data gave no batch of "
                     f"{s['batch_size']} samples"
                 )
+
+
+def _start_worker_thread() -> None:
+    """Give the event loop a default executor of one worker thread, started now.
+
+    ``asyncio.to_thread`` work on the loop (freezing a snapshot of the state for a joiner,
+    decoding a downloaded state) runs in the loop's default executor, which starts its
+    threads at their first use and keeps them. For a keeper that first use is the first
+    joiner it serves, maybe hours in, and under concurrent joiners the executor grows a
+    thread per overlapping task. A keeper runs for days: it starts the one thread it uses
+    with the rest of the peer, so its thread count at start-up is its count for good."""
+    import asyncio
+    import concurrent.futures
+
+    from swarmgrad.utils.loop_thread import run_coroutine
+
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swarmgrad-keeper")
+
+    async def install() -> None:
+        asyncio.get_running_loop().set_default_executor(executor)
+        await asyncio.to_thread(lambda: None)  # its thread starts now
+
+    run_coroutine(install, timeout=30)
