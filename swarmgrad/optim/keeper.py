@@ -19,11 +19,13 @@ gradient as the round ends, and applies it with the same optimizer as the traine
 reaches epoch ``E + 1`` in the same round as they do, holding their state bit for bit
 (synchronous mode: every member of a round gets the same averaged bytes).
 
-It steps only on a round that averaged everything and whose every member held its state
-(the round's state digests, see :class:`~.gradient_rounds.GradientRounds`); after any
-other round (a member died, the trainers' states differed and a state round follows) it
-downloads the swarm's state as a trainer left behind would, and never claims an epoch
-whose state it does not hold (no catching up without the state).
+It steps only on a round that averaged everything and in which another member held its
+state (the round's state digests, see :class:`~.gradient_rounds.GradientRounds`): it
+then holds what that trainer holds at the next epoch. After any other round (a member
+died mid-round; no member shares its state, e.g. the trainers averaged their states in a
+state round, which the keeper takes no part in) it downloads the swarm's state as a
+trainer left behind would, and it never claims an epoch whose state it does not hold (no
+catching up without the state).
 
 Synchronous mode only: with local updates, delayed steps or DiLoCo the trainers' states
 are not a function of the averaged gradient alone; keep a plain :class:`~.optimizer.Optimizer`
@@ -135,10 +137,13 @@ class StateKeeper(Optimizer):
             gathered = None
         result = self.grad_averager.last_result
         mine = self.rounds.digest()
+        # our state is a trainer's if another member's digest equals ours: after this
+        # average it is what that trainer holds at the next epoch (when the trainers'
+        # states differ, they average their states next, in a round the keeper is not in;
+        # its next round then shows it alone with its digest, and it downloads)
         complete = (
             bool(gathered)
-            and len(gathered) >= 2
-            and all(digest == mine for digest in gathered.values())
+            and sum(digest == mine for digest in gathered.values()) >= 2
             and result is not None
             and result is not self._before_round
             and result.fully_averaged
