@@ -63,7 +63,8 @@ class StateKeeper(Optimizer):
     """A collaborative :class:`~.optimizer.Optimizer` that holds the swarm's state without
     training (module docstring). It takes the Optimizer's arguments (``batch_size_per_step``
     is not needed) and refuses the modes in which it could not follow the trainers.
-    Call :meth:`keep_up` often instead of ``step``."""
+    Call :meth:`keep_up` often instead of ``step``. ``rounds_kept`` and ``downloads``
+    count the epochs it entered by applying a round and the states it downloaded."""
 
     def __init__(self, **kwargs: Any):
         for name, why in _REFUSED.items():
