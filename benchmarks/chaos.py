@@ -21,8 +21,10 @@ trainer holds, lower than it had reached for longer than a peer takes to catch u
 the epoch the swarm resumed at after every trainer restarted, below the one it left), the
 held-out loss of the keeper's last state in both runs and their ratio (target within 3%),
 each long-lived process's RSS at the start (after its first epoch) and at the end
-(growth <= 10%), its threads and open files at the start and the end (equal), and
-whether every checkpoint the keeper left loads. ``--minutes`` and ``--peers`` scale it
+(growth <= 10%) and over the run's second half (steady growth), its threads and open
+files at the start and the end (equal; each the fewest of 5 reads over a second, so that
+a checkpoint being written at that moment is not counted), and whether every checkpoint
+the keeper left loads. ``--minutes`` and ``--peers`` scale it
 down (``--small``: 3 trainers, 3 minutes per run).
 """
 
@@ -109,8 +111,25 @@ def resume(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def proc_figures(pid: int) -> dict | None:
-    """RSS (bytes), threads and open file descriptors of a process, from /proc."""
+def proc_figures(pid: int, reads: int = 5, gap: float = 0.25) -> dict | None:
+    """RSS (bytes), threads and open file descriptors of a process, from /proc: the
+    median RSS and the fewest threads and descriptors of ``reads`` reads ``gap`` seconds
+    apart. A keeper writing a checkpoint holds a file (and a trainer's background write a
+    thread) for a moment; one read that lands in it is not a leak, a count that stays up
+    through every read is."""
+    samples = [s for s in (_proc_read(pid, i and gap) for i in range(reads)) if s]
+    if not samples:
+        return None
+    rss = sorted(s["rss"] for s in samples)[len(samples) // 2]
+    return {
+        "rss": rss,
+        "threads": min(s["threads"] for s in samples),
+        "fds": min(s["fds"] for s in samples),
+    }
+
+
+def _proc_read(pid: int, delay: float) -> dict | None:
+    time.sleep(delay)
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
@@ -249,6 +268,7 @@ def run(
     began = time.monotonic()
     duration = args.minutes * 60
     first: dict[str, dict] = {}
+    middle: dict | None = None  # the keeper's figures halfway
     restarted_all = False
     watch = EpochWatch(settle=30 * args.pace)
     resumed: dict | None = None  # the restart of every trainer: where the swarm went on
@@ -268,6 +288,8 @@ def run(
                     figures = proc_figures(peer.popen.pid)
                     if figures:
                         first[peer.name] = {**figures, "pid": peer.popen.pid}
+            if chaos and middle is None and now - began >= duration / 2 and swarm.keeper.alive():
+                middle = proc_figures(swarm.keeper.popen.pid)  # before the restart of all
             if chaos and not restarted_all and now - began >= duration / 2:
                 before = swarm.swarm_epoch()
                 for peer in swarm.trainers:
@@ -322,6 +344,7 @@ def run(
         "held_out_loss": held_out_loss(workdir / "kept"),
         "checkpoints_load": checkpoints_load(workdir / "kept"),
         "processes": {name: {"start": first[name], "end": end.get(name)} for name in first},
+        "keeper_middle": middle,
     }
 
 
@@ -386,6 +409,9 @@ def main() -> None:
                 "threads": [start["threads"], end["threads"]],
                 "fds": [start["fds"], end["fds"]],
             }
+            middle = disturbed["keeper_middle"]
+            if name == "keeper" and middle:
+                growth[name]["rss_growth_second_half"] = end["rss"] / middle["rss"] - 1
     ratio = None
     if disturbed["held_out_loss"] and calm["held_out_loss"]:
         ratio = disturbed["held_out_loss"] / calm["held_out_loss"]
@@ -400,7 +426,10 @@ def main() -> None:
     print(f"held-out loss at that epoch: {disturbed['held_out_loss']} vs undisturbed "
           f"{calm['held_out_loss']} (ratio {ratio})")  # fmt: skip
     for name, g in growth.items():
-        print(f"{name:<10} RSS {g['rss_growth']:+.1%}  threads {g['threads']}  fds {g['fds']}")
+        half = g.get("rss_growth_second_half")
+        half_text = "" if half is None else f" ({half:+.1%} in the second half)"
+        print(f"{name:<10} RSS {g['rss_growth']:+.1%}{half_text}  threads {g['threads']}  "
+              f"fds {g['fds']} (threads and fds: the fewest of 5 reads over 1 s)")  # fmt: skip
     print(f"keeper checkpoints load: {disturbed['checkpoints_load']}")
     print(json.dumps({
         "minutes": args.minutes, "peers": args.peers, "seed": args.seed,

@@ -177,11 +177,17 @@ class CheckpointWriter:
         for stale in self.directory.glob(f"{_PARTIAL_PREFIX}*.part"):  # a crash mid-write
             stale.unlink(missing_ok=True)
 
-    def save(self, model: torch.nn.Module, optimizer: Any, **extra: Any) -> None:
-        """Snapshot the state now and write it in the background."""
+    def save(
+        self, model: torch.nn.Module, optimizer: Any, *, background: bool = True, **extra: Any
+    ) -> None:
+        """Snapshot the state now and write it in the background (``background=False``:
+        in this thread, for a caller that waits for it anyway; no thread is started)."""
         self.wait(raise_error=False)
         state = snapshot_to_host(_state(model, optimizer, extra))
         name = f"checkpoint-{int(state['epoch']):08d}.pt"
+        if not background:
+            self._write(name, state)
+            return
         self._thread = threading.Thread(
             target=self._write, args=(name, state), name="checkpoint-writer", daemon=True
         )

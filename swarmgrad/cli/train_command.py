@@ -447,31 +447,45 @@ class Trainer:
             opt.shutdown()
 
     def _keep(self, opt: Any, model: Any, writer: Any) -> int:
-        """The keeper: no training; every ``--keep-every`` epochs of the swarm, download
-        its state, save it (checkpoint, plain ``model.pt``, ``save_pretrained`` form) and
-        serve it to joiners (its state averager shares whatever it last downloaded, so a
-        swarm whose trainers all restart resumes from it)."""
+        """The keeper: no training; it holds the swarm's state, saves it every
+        ``--keep-every`` epochs (checkpoint, plain ``model.pt``, ``save_pretrained`` form)
+        and serves it to joiners, so a swarm whose trainers all restart resumes from it.
+
+        In synchronous mode (a :class:`~swarmgrad.optim.StateKeeper`) it takes part in
+        every gradient round with weight 0 and applies the average as the trainers do:
+        it reaches each epoch in the same round as they do. In the other modes it
+        downloads the swarm's state after each epoch (an epoch or two behind)."""
         from swarmgrad.cli.train_checkpoint import export_model
+        from swarmgrad.optim import StateKeeper
 
         s = self.settings
+        follows = isinstance(opt, StateKeeper)
+        _start_worker_thread()
         kept = opt.local_epoch if writer.last_good is not None else None
-        logger.info("keeping the state of run %r every %d epochs in %s (now at epoch %d)",
-                    s["run_id"], s["keep_every"], s["checkpoint_dir"], opt.local_epoch)  # fmt: skip
+        logger.info("keeping the state of run %r every %d epochs in %s (now at epoch %d, %s)",
+                    s["run_id"], s["keep_every"], s["checkpoint_dir"], opt.local_epoch,
+                    "following its gradient rounds" if follows else
+                    "downloading after each epoch")  # fmt: skip
         while not (self.stop.is_set() or self._finished(opt)):
-            swarm_epoch = opt.tracker.global_epoch
-            due = kept is None or swarm_epoch >= kept + s["keep_every"]
-            if swarm_epoch > opt.local_epoch and due:
-                opt.load_state_from_peers()
-                if kept is None or opt.local_epoch > kept:
-                    writer.save(model, opt)
-                    path = writer.wait()
-                    exported = export_model(s["checkpoint_dir"], model)
-                    kept = opt.local_epoch
-                    logger.info("kept the swarm's state at epoch %d: %s", kept, path)
-                    self.say("kept", epoch=kept, path=str(path), exports=exported)
+            if follows:
+                opt.keep_up()
+            else:
+                swarm_epoch = opt.tracker.global_epoch
+                due = kept is None or swarm_epoch >= kept + s["keep_every"]
+                if swarm_epoch > opt.local_epoch and due:
+                    opt.load_state_from_peers()
+            epoch = opt.local_epoch
+            if epoch > 0 and (kept is None or epoch >= kept + s["keep_every"]):
+                writer.save(model, opt, background=False)  # (it would wait for it anyway)
+                path = writer.wait()
+                exported = export_model(s["checkpoint_dir"], model)
+                kept = epoch
+                logger.info("kept the swarm's state at epoch %d: %s", kept, path)
+                self.say("kept", epoch=kept, path=str(path), exports=exported)
             # no need to report anything here: the tracker's keepalive renews this peer's
-            # record (joiners find the kept state through its epoch) while it runs
-            self.stop.wait(1.0)
+            # record (joiners find the kept state through its epoch) while it runs; a
+            # follower looks often (a look is a few reads), the round's end is news
+            self.stop.wait(0.05 if follows else 1.0)
         self.say("done", epoch=opt.local_epoch, samples=0)
         return EXIT_OK
 
@@ -504,3 +518,26 @@ class Trainer:
                     f"model module {s['model_module']!r}: its data gave no batch of "
                     f"{s['batch_size']} samples"
                 )
+
+
+def _start_worker_thread() -> None:
+    """Give the event loop a default executor of one worker thread, started now.
+
+    ``asyncio.to_thread`` work on the loop (freezing a snapshot of the state for a joiner,
+    decoding a downloaded state) runs in the loop's default executor, which starts its
+    threads at their first use and keeps them. For a keeper that first use is the first
+    joiner it serves, maybe hours in, and under concurrent joiners the executor grows a
+    thread per overlapping task. A keeper runs for days: it starts the one thread it uses
+    with the rest of the peer, so its thread count at start-up is its count for good."""
+    import asyncio
+    import concurrent.futures
+
+    from swarmgrad.utils.loop_thread import run_coroutine
+
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swarmgrad-keeper")
+
+    async def install() -> None:
+        asyncio.get_running_loop().set_default_executor(executor)
+        await asyncio.to_thread(lambda: None)  # its thread starts now
+
+    run_coroutine(install, timeout=30)

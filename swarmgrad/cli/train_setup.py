@@ -25,6 +25,7 @@ __all__ = [
     "Precision",
     "check_model_device",
     "check_run_options",
+    "keeper_follows_rounds",
     "make_collaborative_optimizer",
     "resolve_device",
     "to_device",
@@ -259,12 +260,28 @@ def compression(name: str) -> Any:
     }[name]()
 
 
+def keeper_follows_rounds(settings: dict[str, Any]) -> bool:
+    """Whether a keeper of this run holds the swarm's state by taking part in its
+    gradient rounds (a ``StateKeeper``: synchronous mode without delayed steps or
+    PowerSGD, where a peer's state is a function of the averaged gradients) rather than
+    by downloading it after each epoch (every other mode)."""
+    s = settings
+    return (
+        s["role"] == "keeper"
+        and s["mode"] == "sync"
+        and not s["delay"]
+        and s["powersgd_rank"] is None
+    )
+
+
 def make_collaborative_optimizer(
     settings: dict[str, Any], module: Any, dht: Any, model: torch.nn.Module, metrics: Any
 ) -> Any:
     """The swarmgrad optimizer for ``--mode``: ``Optimizer`` (sync, local) or
-    ``DiLoCoOptimizer`` (diloco, streaming), with the module's optimizer and scheduler."""
-    from swarmgrad.optim import DiLoCoOptimizer, Optimizer, PowerSGDGradientAverager
+    ``DiLoCoOptimizer`` (diloco, streaming), with the module's optimizer and scheduler.
+    A keeper (``--role keeper``) of a plain synchronous run gets a ``StateKeeper``, which
+    follows the trainers' gradient rounds (see :func:`keeper_follows_rounds`)."""
+    from swarmgrad.optim import DiLoCoOptimizer, Optimizer, PowerSGDGradientAverager, StateKeeper
 
     s = settings
     factory = module.make_optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3))
@@ -297,7 +314,8 @@ def make_collaborative_optimizer(
             return PowerSGDGradientAverager(*args, averager_rank=rank, **kwargs)
 
         extra["grad_averager_factory"] = powersgd
-    return Optimizer(
+    cls = StateKeeper if keeper_follows_rounds(s) else Optimizer
+    return cls(
         dht=dht,
         run_id=s["run_id"],
         target_batch_size=s["target_batch_size"],

@@ -6,6 +6,7 @@ ranks that take part as one peer."""
 from swarmgrad.optim.diloco import DiLoCoOptimizer
 from swarmgrad.optim.grad_averager import GradientAverager, GradientAveragerFactory
 from swarmgrad.optim.grad_scaler import GradScaler
+from swarmgrad.optim.keeper import StateKeeper
 from swarmgrad.optim.metrics import MetricsPublisher, MetricsSchema, PeerMetrics
 from swarmgrad.optim.optimizer import Optimizer
 from swarmgrad.optim.performance_ema import PerformanceEMA
@@ -38,6 +39,7 @@ __all__ = [
     "SiteError",
     "SiteMismatch",
     "SiteOptimizer",
+    "StateKeeper",
     "TrainingProgressSchema",
     "TrainingAverager",
     "TrainingStateAverager",

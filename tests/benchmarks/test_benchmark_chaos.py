@@ -50,3 +50,17 @@ def test_a_laggard_and_a_short_dip_lose_nothing_a_lasting_drop_is_counted():
     watch.sample([laggard, restarted], now=20)
     watch.sample([laggard, restarted], now=31)
     assert watch.lost == 3
+
+
+def test_a_file_held_for_a_moment_is_not_counted_one_held_through_every_read_is():
+    import os
+    import threading
+
+    chaos = _chaos()
+    pid = os.getpid()
+    quiet = chaos.proc_figures(pid, reads=3, gap=0.05)
+    moment = open(BENCHMARK, "rb")  # open during the first read only (a checkpoint write)
+    threading.Timer(0.1, moment.close).start()
+    assert chaos.proc_figures(pid, reads=4, gap=0.1)["fds"] == quiet["fds"]
+    with open(BENCHMARK, "rb"):  # held through every read: counted
+        assert chaos.proc_figures(pid, reads=3, gap=0.05)["fds"] == quiet["fds"] + 1
