@@ -83,7 +83,6 @@ async def start_swarm(network, tensor_sets, *, seed=0, client=(), per_peer=None,
     return nodes, averagers
 
 
-
 def simulate(main, seed=0, **kwargs):
     kwargs.setdefault("latency", 0.01)
     return run_simulation(main, seed=seed, check_leftover_tasks=True, **kwargs)

@@ -91,7 +91,6 @@ def gossipers(nodes, tensors_per_node, **kwargs) -> list[AsyncGossipAverager]:
     return averagers
 
 
-
 @pytest.mark.parametrize(
     ("mixing", "setup", "expected_factor"),
     [

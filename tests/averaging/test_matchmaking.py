@@ -55,7 +55,6 @@ async def make_swarm(network, num_peers, *, seed=0, bits=None, client=(), **kwar
     return nodes, matchmakers
 
 
-
 def check_consistent(results, matchmakers, data):
     """Every member of a group got the identical GroupInfo; nobody is in two groups."""
     by_id = {m.peer.peer_id: i for i, m in enumerate(matchmakers)}

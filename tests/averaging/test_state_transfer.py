@@ -60,7 +60,6 @@ async def start_nodes(network, count: int, rng: random.Random) -> list[DHTNode]:
     return nodes
 
 
-
 def share(node: DHTNode, state, cls=StateSharing, **kwargs) -> StateSharing:
     kwargs.setdefault("priority", 1.0)
     kwargs.setdefault("chunk_size_bytes", CHUNK)

@@ -30,7 +30,6 @@ async def node_and_attacker():
     return node, attacker, node.peer.get_visible_maddrs()[0]
 
 
-
 async def remote_store(attacker: Peer, addr, items, timeout: float = 5) -> list[str | None]:
     """Send a raw STORE; the node's per-record answers (None: stored, else why not)."""
     reply = await attacker.call(addr, protocol.STORE, protocol.encode_store(items), timeout=timeout)

@@ -30,7 +30,6 @@ async def make_nodes(network, count, rng, **kwargs):
     return nodes
 
 
-
 def count_finds(node):
     """Wrap a node's find handler to count the requests it serves."""
     counter = {"requests": 0, "keys": 0}

@@ -39,7 +39,6 @@ async def build_swarm(network, num_peers: int, rng: random.Random, **node_kwargs
     return nodes
 
 
-
 def test_every_stored_key_is_found_and_survives_a_quarter_of_peers_crashing():
     num_peers, num_keys = 1000, 100
 

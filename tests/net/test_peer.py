@@ -344,7 +344,6 @@ def test_default_channel_uses_aes_gcm_records(arun):
     arun(main)
 
 
-
 def test_a_servicer_with_a_prefix_serves_each_rpc_method_under_its_wire_name(arun):
     class Echo(ServicerBase):
         rpc_prefix = "echo"

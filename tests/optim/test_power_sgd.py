@@ -255,7 +255,6 @@ async def start_swarm(network, tensor_sets, hook_options, *, seed=0, **options):
     return nodes, averagers
 
 
-
 def simulate(main, seed=0):
     return run_simulation(main, seed=seed, check_leftover_tasks=True, latency=0.01)
 
