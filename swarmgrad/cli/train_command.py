@@ -46,7 +46,7 @@ from swarmgrad.cli.config_file import (
     layered_settings,
 )
 from swarmgrad.cli.dht_command import admission_kwargs
-from swarmgrad.cli.train_setup import COMPRESSIONS, MODES, PRECISIONS, check_run_options
+from swarmgrad.cli.train_options import COMPRESSIONS, MODES, PRECISIONS, check_run_options
 from swarmgrad.utils.logging import use_swarmgrad_log_handler
 
 logger = logging.getLogger("swarmgrad.cli.train")
