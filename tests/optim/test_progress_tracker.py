@@ -320,6 +320,37 @@ def test_a_steady_peer_publishes_rarely_a_change_of_pace_and_a_new_epoch_at_once
                 t.shutdown(timeout=5)
 
 
+def test_a_steady_peer_wakes_the_loop_thread_only_for_what_it_publishes():
+    """A report the reporter would not publish leaves the loop thread asleep: the
+    cross-thread wake-up per step cost more than the rest of a step's bookkeeping on a
+    loaded box (docs/design-notes.md, "What an ordinary step costs")."""
+    with dht_swarm(1) as dhts:
+        tracker = ProgressTracker(dhts[0], RUN, target_batch_size=10_000, start=True)
+        wakes = []
+        original = tracker._set_soon
+
+        def counting_set_soon(name: str) -> None:
+            wakes.append(name)
+            original(name)
+
+        tracker._set_soon = counting_set_soon
+        try:
+            wait_until(lambda: tracker._published is not None, 5, "the first record")
+            samples = 0
+            for _ in range(60):  # 20 samples/s, as in the test above: a steady pace
+                samples += 10
+                tracker.report_local_progress(0, samples)
+                time.sleep(0.05)
+            steady = wakes.count("_report_now")
+            assert steady <= 8, f"{steady} wake-ups for 60 steps at one pace"
+            with tracker.pause_updates():
+                tracker.update_epoch(1)
+            assert wakes.count("_report_now") == steady + 1  # a new epoch: at once
+            wait_until(lambda: tracker._published.epoch == 1, 5, "the new epoch's record")
+        finally:
+            tracker.shutdown(timeout=5)
+
+
 def test_a_peer_that_never_steps_stays_counted_past_metadata_expiration():
     """A peer that reports nothing after it starts (a keeper, an idle peer) is still
     alive: its keepalive renews its record's expiration every metadata_expiration / 2.
