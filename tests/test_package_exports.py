@@ -4,10 +4,9 @@ every public name, the lazily imported ones included."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import swarmgrad
+from tests.helpers.processes import last_line_of_python
 
 
 def test_star_import_brings_in_the_lazily_imported_names_too():
@@ -19,11 +18,7 @@ def test_star_import_brings_in_the_lazily_imported_names_too():
         "got = {n: getattr(globals().get(n), '__module__', None) for n in names}\n"
         "print(json.dumps(got))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    modules = json.loads(done.stdout.strip().splitlines()[-1])
+    modules = json.loads(last_line_of_python(probe))
     assert modules == {
         "Optimizer": "swarmgrad.optim.optimizer",
         "GradScaler": "swarmgrad.optim.grad_scaler",

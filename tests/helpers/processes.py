@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 
 
 def stop_with_sigterm(
@@ -25,3 +26,13 @@ def stop_with_sigterm(
     if expect_code is not None:
         assert proc.returncode == expect_code, f"exit code {proc.returncode}, output:\n{output}"
     return output or ""
+
+
+def last_line_of_python(script: str, timeout: float = 120.0) -> str:
+    """Run ``script`` in a fresh interpreter (what a new process imports, nothing this
+    test run already has) and return the last line it printed; it must exit 0."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -12,6 +10,7 @@ import torch
 
 from swarmgrad.utils.loop_thread import run_coroutine, shutdown_loop
 from swarmgrad.utils.torch_threads import follow_torch_threads
+from tests.helpers.processes import last_line_of_python
 
 TASKS = "/proc/self/task"
 
@@ -81,8 +80,4 @@ def test_a_dht_only_peer_never_imports_torch():
         "dht.shutdown()\n"
         "print('torch' in sys.modules)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False", "starting a DHT imported torch"
+    assert last_line_of_python(script) == "False", "starting a DHT imported torch"
