@@ -5,9 +5,11 @@ virtual clock, plus real loopback peers where wall-clock behaviour matters."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import threading
+import weakref
 
 import torch
 
@@ -426,6 +428,29 @@ def test_sessions_expire_when_idle_and_concurrent_joiners_share_one_snapshot():
     assert all(same_state(r, state) for r in results)
     assert snapshots == 1
     assert (first, stranger, late) == ("ok", "expired", "expired")
+
+
+def test_a_snapshot_nobody_downloads_any_more_is_freed():
+    """Once its sessions expired and its reuse period passed, nothing of the sharer still
+    holds the snapshot (a keeper serves every restarted trainer a state: each snapshot
+    kept alive is a model's worth of memory)."""
+    state = make_state(11)
+
+    async def main(network):
+        nodes = await start_nodes(network, 2, random.Random(12))
+        sharing = share(nodes[0], state, session_idle_timeout=4.0, snapshot_reuse_period=1.0)
+        await asyncio.sleep(1)
+        result = await load_state_from_peers(nodes[1].peer, nodes[1], prefix=PREFIX, timeout=30)
+        snapshot = weakref.ref(sharing._snapshot.snapshot)
+        await asyncio.sleep(20)  # sessions idle out, the expiry loop drops the snapshot
+        gc.collect()
+        alive = snapshot() is not None
+        await shutdown([sharing], nodes)
+        return result, alive
+
+    result, alive = run_simulation(main, latency=0.01, check_leftover_tasks=True)
+    assert same_state(result, state)
+    assert not alive, "the sharer still holds a snapshot nobody downloads"
 
 
 def test_snapshots_taken_under_the_state_lock_are_consistent():

@@ -309,6 +309,8 @@ class StateSharing(ServicerBase):
         if self._snapshot is not None and not self._sessions:
             if now - self._snapshot.taken > self.snapshot_reuse_period:
                 self._snapshot = None  # nobody downloads it: free the memory
+                if self._building is not None and self._building.done():
+                    self._building = None  # a finished build's result is that snapshot too
 
     async def _get_snapshot(self) -> _Frozen:
         assert self._loop is not None
