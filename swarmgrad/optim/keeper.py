@@ -42,7 +42,6 @@ from swarmgrad.optim.epoch_machinery import EpochMachinery
 from swarmgrad.optim.gradient_rounds import release
 from swarmgrad.optim.optimizer import Optimizer
 from swarmgrad.utils.errors import ValidationError
-from swarmgrad.utils.timeutils import get_dht_time
 
 __all__ = ["StateKeeper"]
 
@@ -112,11 +111,12 @@ class StateKeeper(Optimizer):
         """Look for the group of the round that ends this epoch, ``matchmaking_time``
         ahead as trainers do, and release our part at once: zeros of weight 0 are known
         now, so the trainers never wait for the keeper."""
-        eta = self.epochs.round_window(self.tracker.estimated_next_update_time)
-        if eta is None or self.epochs.alone():
+        if self.epochs.alone():
             return
         averager = self.grad_averager
-        start = get_dht_time() + max(eta, averager._options["min_matchmaking_time"])
+        start = self.epochs.round_start(None, self.tracker.estimated_next_update_time, averager)
+        if start is None:
+            return  # too early to look for the group
         self._before_round = averager.last_result
         control = averager.schedule_step(
             scheduled_time=start,
