@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 import pytest
 import torch
@@ -29,22 +28,10 @@ from swarmgrad.net.peer import Peer
 from swarmgrad.net.sim import run_simulation
 from swarmgrad.net.sim.backend import create_sim_peer
 from swarmgrad.utils.errors import ValidationError
+from tests.helpers.peers import make_group, make_peers
 
 NODE, CLIENT, AUX = AveragingMode.NODE, AveragingMode.CLIENT, AveragingMode.AUX
 FAST = AdaptiveTimeouts(min_timeout=2.0)  # generous for a busy box, short for a test
-
-
-async def make_peers(n: int) -> list[Peer]:
-    peers = [await Peer.create() for _ in range(n)]
-    for peer in peers:
-        for other in peers:
-            if other is not peer:
-                peer.add_addresses(other.peer_id, other.get_visible_maddrs())
-    return peers
-
-
-def make_group(peers) -> GroupInfo:
-    return GroupInfo(os.urandom(16), tuple(p.peer_id for p in peers), tuple(b"" for _ in peers))
 
 
 def random_tensors(seed: int) -> list[torch.Tensor]:

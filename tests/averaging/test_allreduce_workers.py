@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 
@@ -17,9 +16,8 @@ import torch
 from swarmgrad.averaging.allreduce import AllReduceRunner
 from swarmgrad.averaging.allreduce.buffers import BufferPool
 from swarmgrad.averaging.allreduce.deadlines import AdaptiveTimeouts
-from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.net import records, workers
-from swarmgrad.net.peer import Peer
+from tests.helpers.peers import make_group, make_peers
 
 THREADS = 2
 PART = 512 * 1024  # records of a part are >= workers.OFFLOAD_MIN: they go to the workers
@@ -118,19 +116,6 @@ class CheckingPool(BufferPool):
         if self.tracker.overlaps(start, start + buffer.numel()):
             self.reused_while_busy.append(buffer.numel())
         super().give(buffer)
-
-
-async def make_peers(n: int) -> list[Peer]:
-    peers = [await Peer.create() for _ in range(n)]
-    for peer in peers:
-        for other in peers:
-            if other is not peer:
-                peer.add_addresses(other.peer_id, other.get_visible_maddrs())
-    return peers
-
-
-def make_group(peers) -> GroupInfo:
-    return GroupInfo(os.urandom(16), tuple(p.peer_id for p in peers), tuple(b"" for _ in peers))
 
 
 async def shutdown(peers):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
+from swarmgrad.averaging.group_info import GroupInfo
 from swarmgrad.dht.node import DHTNode
 from swarmgrad.net.identity import PeerID
 from swarmgrad.net.peer import Peer
@@ -35,3 +37,18 @@ async def shutdown(*items):
             await obj.shutdown()
             if isinstance(obj, DHTNode):
                 await obj.peer.shutdown()
+
+
+async def make_peers(n: int) -> list[Peer]:
+    """``n`` loopback peers, each knowing every other's address."""
+    peers = [await Peer.create() for _ in range(n)]
+    for peer in peers:
+        for other in peers:
+            if other is not peer:
+                peer.add_addresses(other.peer_id, other.get_visible_maddrs())
+    return peers
+
+
+def make_group(peers) -> GroupInfo:
+    """An averaging group of ``peers`` (random group id, no gathered data)."""
+    return GroupInfo(os.urandom(16), tuple(p.peer_id for p in peers), tuple(b"" for _ in peers))
