@@ -33,6 +33,14 @@ def make_keeper(dht, model, **options) -> StateKeeper:
     )  # fmt: skip
 
 
+def two_trainers_and_a_keepers_model(dhts):
+    """Three equal models; Adam optimizers for the first two (the trainers, on the first
+    two DHTs); the third model is the keeper's."""
+    models = [make_model(0) for _ in range(3)]
+    opts = [make_optimizer(d, m, optimizer=adam) for d, m in zip(dhts[:2], models[:2], strict=True)]
+    return models, opts
+
+
 def keep_up_while(keeper: StateKeeper, condition, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while condition():
@@ -44,10 +52,7 @@ def keep_up_while(keeper: StateKeeper, condition, timeout: float) -> None:
 @pytest.mark.slow
 def test_keeper_reaches_every_epoch_in_the_trainers_round_with_their_exact_state():
     with dht_swarm(3) as dhts:
-        models = [make_model(0) for _ in range(3)]
-        opts = [
-            make_optimizer(d, m, optimizer=adam) for d, m in zip(dhts[:2], models[:2], strict=True)
-        ]
+        models, opts = two_trainers_and_a_keepers_model(dhts)
         keeper = make_keeper(dhts[2], models[2])
         try:
             with pytest.raises(ValidationError, match="keep_up"):
@@ -77,10 +82,7 @@ def test_keeper_reaches_every_epoch_in_the_trainers_round_with_their_exact_state
 @pytest.mark.slow
 def test_keeper_that_joins_late_downloads_once_then_follows_the_rounds():
     with dht_swarm(3) as dhts:
-        models = [make_model(0) for _ in range(3)]
-        opts = [
-            make_optimizer(d, m, optimizer=adam) for d, m in zip(dhts[:2], models[:2], strict=True)
-        ]
+        models, opts = two_trainers_and_a_keepers_model(dhts)
         keeper = None
         try:
             trainers = [Trainer(o, m, seed=i, until_epoch=6) for i, (o, m) in
