@@ -45,7 +45,6 @@ hold the measurements behind these choices.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import math
 import os
@@ -79,6 +78,7 @@ from swarmgrad.optim.optimizer import Optimizer
 from swarmgrad.optim.optimizer_state import optimizer_parameters
 from swarmgrad.optim.progress_tracker import ProgressTracker
 from swarmgrad.optim.state_averager import TrainingStateAverager
+from swarmgrad.optim.tensor_digest import TensorDigest
 from swarmgrad.utils.checks import positive_int
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
@@ -558,11 +558,9 @@ class DiLoCoOptimizer(Optimizer):
         """A hash of this fragment's synced copy, shared in its round: members whose
         copies differ (a round that split the swarm into groups that averaged apart)
         see it and re-average their synced copies (:meth:`_resync_if_needed`)."""
-        digest = hashlib.blake2b(digest_size=16)
+        digest = TensorDigest()
         with torch.no_grad(), self.state_averager.state_lock():
-            for index in fragment.params:
-                flat = self._masters[index].detach().to("cpu").contiguous().reshape(-1)
-                digest.update(flat.view(torch.uint8).numpy())
+            digest.update_tensors(self._masters[index] for index in fragment.params)
         return digest.digest()
 
     def _write_pseudo_gradient(self, fragment: _Fragment) -> float:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -50,6 +49,7 @@ from swarmgrad.optim.optimizer_state import (
     optimizer_state_tensors,
 )
 from swarmgrad.optim.performance_ema import PerformanceEMA
+from swarmgrad.optim.tensor_digest import TensorDigest
 from swarmgrad.utils.errors import ValidationError
 from swarmgrad.utils.timeutils import get_dht_time
 
@@ -260,18 +260,13 @@ class TrainingStateAverager(DecentralizedAverager):
         """A hash of everything a state round would average plus the optimizer's whole
         state and hyperparameters: peers with equal digests that apply the same averaged
         gradients stay equal, so a state round among them would change nothing."""
-        digest = hashlib.blake2b(digest_size=16)
+        digest = TensorDigest()
         with self._state_lock, torch.no_grad():
-            tensors = [
-                *self._local_tensors,
-                *(t for _, t in optimizer_state_tensors(self.optimizer)),
-            ]
-            for tensor in tensors:
-                flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-                digest.update(str((flat.dtype, tuple(tensor.shape))).encode())
-                digest.update(flat.view(torch.uint8).numpy())
+            digest.update_tensors(
+                [*self._local_tensors, *(t for _, t in optimizer_state_tensors(self.optimizer))]
+            )
             for group in self.optimizer.param_groups:
-                digest.update(
+                digest.update_bytes(
                     repr(sorted((k, repr(v)) for k, v in group.items() if k != "params")).encode()
                 )
         return digest.digest()

@@ -188,6 +188,39 @@ def test_a_parameter_without_a_gradient_contributes_zeros(make_averager):
     assert torch.count_nonzero(result[-1]) > 0
 
 
+def test_after_a_reset_only_the_new_batches_count_even_for_a_parameter_without_gradient(
+    make_averager,
+):
+    """The reset's zeros are written by the next accumulation (not at the epoch's end): a
+    parameter without a gradient in that batch must come out zero, not last epoch's, and
+    the batches after it add up as usual."""
+    model = make_model()
+    params = list(model.parameters())
+    averager = make_averager(params)
+    generator = torch.Generator().manual_seed(5)
+    backward(model, make_batch(generator, 4))
+    averager.accumulate_grads_(batch_size=4)
+    averager.reset_accumulated_grads_()
+
+    model.zero_grad()
+    first, second = make_batch(generator, 2), make_batch(generator, 5)
+    backward(model, first)
+    saved = params[0].grad
+    params[0].grad = None
+    averager.accumulate_grads_(batch_size=2)
+    params[0].grad = saved
+    model.zero_grad()
+    backward(model, second)
+    averager.accumulate_grads_(batch_size=5)
+    averager.load_accumulators_into_averager_()
+    result = averaged(averager)
+
+    want = mean_gradient(model, [first, second])
+    want_second = mean_gradient(model, [second])
+    assert_close(result[1:], want[1:])
+    assert_close(result[:1], [want_second[0] * 5 / 7])  # only the second batch had one
+
+
 def test_caller_given_averaged_grads_receive_the_mean(make_averager):
     model = make_model()
     buffers = [torch.full_like(p, 7.0).detach() for p in model.parameters()]
