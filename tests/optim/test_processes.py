@@ -190,8 +190,10 @@ def test_sigkill_costs_one_timeout_and_a_restarted_peer_rejoins(bootstrap, tmp_p
             child.kill()
 
 
-def _train_in_process(maddr: str, seed: int, results) -> None:
-    """A peer in a child process made by multiprocessing (fork or spawn)."""
+def _train_in_process(maddr: str, seed: int, results, ready) -> None:
+    """A peer in a child process made by multiprocessing (fork or spawn). ``ready``: both
+    peers begin training only when both have joined (a spawned child starts seconds after
+    a forked one on a loaded machine; the first would otherwise train alone to the end)."""
     import torch
 
     import swarmgrad
@@ -212,6 +214,7 @@ def _train_in_process(maddr: str, seed: int, results) -> None:
     )
     generator = torch.Generator().manual_seed(seed)
     try:
+        ready.wait(timeout=120)
         while opt.local_epoch < 3:
             x = torch.randn(4, 4, generator=generator)
             model(x).pow(2).mean().backward()
@@ -227,9 +230,10 @@ def _train_in_process(maddr: str, seed: int, results) -> None:
 def test_peers_started_with_fork_and_spawn_train_together(bootstrap):
     """The parent already runs swarmgrad's loop thread (its DHT) when it forks."""
     results = multiprocessing.get_context("spawn").Queue()
+    ready = multiprocessing.get_context("spawn").Barrier(2)
     processes = [
         multiprocessing.get_context(method).Process(
-            target=_train_in_process, args=(bootstrap, seed, results), daemon=True
+            target=_train_in_process, args=(bootstrap, seed, results, ready), daemon=True
         )
         for seed, method in enumerate(("fork", "spawn"))
     ]
