@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--wide-rank", type=int, default=-1, help="this rank's model differs")
     parser.add_argument("--diloco", action="store_true", help="DiLoCo, inner steps mirrored")
     parser.add_argument("--kill-speaker-at", type=int, default=-1, help="epoch; mid-epoch")
+    parser.add_argument(
+        "--start-with", type=int, default=0, help="train once this many ranks (all sites) joined"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -88,6 +91,7 @@ def main() -> None:
         dist.destroy_process_group()  # a live gloo group at exit may abort the process
         return
 
+    _wait_for_ranks(args.out, f"{args.site}-{rank}", args.start_with)
     generator = torch.Generator().manual_seed(hash(args.site) % 1000 + rank)
     steps, steps_in_epoch, last = 0, 0, -1
     while site.local_epoch < args.until:
@@ -121,6 +125,21 @@ def main() -> None:
     )
     site.shutdown()
     dist.destroy_process_group()
+
+
+def _wait_for_ranks(out: str, me: str, count: int, timeout: float = 90.0) -> None:
+    """A start line across sites: on a loaded machine one site may join the swarm seconds
+    before the other and train several epochs alone, and the late one then downloads its
+    state instead of stepping through every epoch (what the tests check)."""
+    if count <= 0:
+        return
+    with open(os.path.join(out, f"ready-{me}"), "w"):
+        pass
+    deadline = time.monotonic() + timeout
+    while sum(name.startswith("ready-") for name in os.listdir(out)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{me}: fewer than {count} ranks joined within {timeout:.0f} s")
+        time.sleep(0.05)
 
 
 def _flat(model: torch.nn.Module) -> list[float]:

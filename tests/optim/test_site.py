@@ -92,8 +92,8 @@ def bootstrap():
 
 def test_two_sites_of_two_ranks_end_with_identical_parameters(bootstrap, tmp_path):
     codes = finish(
-        torchrun_site("a", bootstrap, tmp_path, "--until", "4"),
-        launched_site("b", bootstrap, tmp_path, "--until", "4"),
+        torchrun_site("a", bootstrap, tmp_path, "--until", "4", "--start-with", "4"),
+        launched_site("b", bootstrap, tmp_path, "--until", "4", "--start-with", "4"),
     )
     assert codes == [0, 0]
     for site in "ab":
@@ -113,8 +113,8 @@ def test_diloco_sites_mirror_inner_steps_and_receive_parameters_only_when_they_c
     bootstrap, tmp_path
 ):
     codes = finish(
-        torchrun_site("a", bootstrap, tmp_path, "--until", "3", "--diloco"),
-        torchrun_site("b", bootstrap, tmp_path, "--until", "3", "--diloco"),
+        torchrun_site("a", bootstrap, tmp_path, "--until", "3", "--diloco", "--start-with", "4"),
+        torchrun_site("b", bootstrap, tmp_path, "--until", "3", "--diloco", "--start-with", "4"),
     )
     assert codes == [0, 0]
     for site in "ab":
@@ -154,8 +154,10 @@ def test_describe_mismatch_names_counts_and_dtypes():
 
 def test_a_site_whose_speaker_is_killed_elects_the_survivor_and_trains_on(bootstrap, tmp_path):
     codes = finish(
-        launched_site("a", bootstrap, tmp_path, "--until", "5", "--kill-speaker-at", "2"),
-        torchrun_site("b", bootstrap, tmp_path, "--until", "5"),
+        launched_site(
+            "a", bootstrap, tmp_path, "--until", "5", "--kill-speaker-at", "2", "--start-with", "4"
+        ),
+        torchrun_site("b", bootstrap, tmp_path, "--until", "5", "--start-with", "4"),
     )
     assert codes == [0, 0], "site_launch: a rank killed by a signal is lost, not an error"
     dying = events(tmp_path, "a", 0)[-1]
