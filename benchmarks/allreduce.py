@@ -11,8 +11,16 @@ A round's time is the slowest member's (from the barrier to its tensors being av
 the figure is the median over ``--rounds`` rounds after ``--warmup``. Before timing, one
 round of each checks ours against gloo's sum divided by N.
 
+CPU: each member's ``time.process_time()`` around each round (every thread of its
+process: the loop thread, data-path workers, gloo's threads), summed over the members
+(``*_cpu_s``) and per member (``*_cpu_per_peer_s``), medians over the timed rounds. On a
+shared machine this is the figure to compare: wall time depends on what else runs, CPU
+seconds much less.
+
 Prints a table, then one JSON line:
-``{"results": [{"peers": 4, "ours_s": ..., "gloo_s": ..., "ratio": ...}, ...]}``.
+``{"results": [{"peers": 4, "ours_s": ..., "gloo_s": ..., "ratio": ..., "ours_cpu_s": ...,
+"gloo_cpu_s": ..., "ours_cpu_per_peer_s": ..., "gloo_cpu_per_peer_s": ..., "cpu_ratio":
+...}, ...]}``.
 The fault-tolerance run (a peer SIGKILLed mid-round) is ``benchmarks/allreduce_faults.py``.
 """
 
@@ -86,6 +94,10 @@ def run_group(world: int, options: dict) -> dict:
         "max_error_vs_gloo": max(r["max_error"] for r in reports),
         "ours_cpu_s": round(cpu["ours"], 3),
         "gloo_cpu_s": round(cpu["gloo"], 3),
+        # the same per member: what one peer's process spends on a round
+        "ours_cpu_per_peer_s": round(cpu["ours"] / world, 4),
+        "gloo_cpu_per_peer_s": round(cpu["gloo"] / world, 4),
+        "cpu_ratio": round(cpu["ours"] / cpu["gloo"], 3) if cpu["gloo"] else None,
     }
 
 
@@ -133,13 +145,19 @@ def main() -> None:
         )
         print(
             f"      CPU seconds per round, all members: ours {result['ours_cpu_s']:.3f}, "
-            f"gloo {result['gloo_cpu_s']:.3f}"
+            f"gloo {result['gloo_cpu_s']:.3f}; per member: ours "
+            f"{result['ours_cpu_per_peer_s']:.4f}, gloo {result['gloo_cpu_per_peer_s']:.4f}"
         )
         print(f"      ours rounds: {result['ours_rounds']}")
         print(f"      gloo rounds: {result['gloo_rounds']}")
     print(f"total wall time {time.time() - started:.0f} s")
+    cpu_keys = ("ours_cpu_s", "gloo_cpu_s", "ours_cpu_per_peer_s", "gloo_cpu_per_peer_s")
     summary = [
-        {**{k: r[k] for k in ("peers", "ours_s", "gloo_s", "ratio")}, "codec": args.compression}
+        {
+            **{k: r[k] for k in ("peers", "ours_s", "gloo_s", "ratio")},
+            **{k: r[k] for k in (*cpu_keys, "cpu_ratio")},
+            "codec": args.compression,
+        }
         for r in results
     ]
     print(json.dumps({"results": summary}))

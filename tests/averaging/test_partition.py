@@ -188,6 +188,52 @@ def test_reducer_accumulates_into_a_given_buffer_without_touching_the_inputs():
     run(main())
 
 
+@pytest.mark.parametrize("with_buffer", [True, False])
+@pytest.mark.parametrize("own_weight", [1.0, 2.5])
+def test_a_borrowed_input_is_added_with_the_next_one_and_never_written(with_buffer, own_weight):
+    async def main():
+        specs = [(4, torch.float32), (4, torch.float32), (3, torch.float16)]
+        buffer = None
+        if with_buffer:
+            buffer = torch.empty(TensorPartReducer.accumulator_nbytes(specs), dtype=torch.uint8)
+        reducer = TensorPartReducer(specs, num_senders=3, buffer=buffer)
+        own = [torch.arange(4.0), torch.arange(4.0) + 10, torch.ones(3, dtype=torch.float16)]
+        kept = [t.clone() for t in own]
+        for k, part in enumerate(own):
+            reducer.accumulate_part(0, k, part, own_weight, borrow=True)
+        # part 0: two others deliver; part 1: sender 2 with weight 0 (the plain mean's side);
+        # part 2 (float16, summed in float32): one other
+        reducer.accumulate_part(1, 0, torch.full((4,), 3.0), 1.0)
+        reducer.accumulate_part(2, 0, torch.full((4,), -1.0), 0.5)
+        reducer.accumulate_part(2, 1, torch.full((4,), 7.0), 0.0)
+        reducer.accumulate_part(1, 2, torch.full((3,), 5.0, dtype=torch.float16), 1.0)
+        reducer.on_sender_failed(1)  # part 1: nobody else with a weight, the lent input alone
+        reducer.accumulate_part(2, 2, torch.full((3,), 2.0, dtype=torch.float16), 1.0)
+        total = own_weight + 1.5
+        expected0 = (own_weight * kept[0] + 3.0 - 0.5) / total
+        assert torch.allclose(await reducer.wait_part(0), expected0)
+        assert torch.allclose(await reducer.wait_part(1), kept[1])
+        expected2 = (own_weight * 1.0 + 5.0 + 2.0) / (own_weight + 2.0)
+        half = await reducer.wait_part(2)
+        assert half.dtype == torch.float16
+        assert torch.allclose(half.float(), torch.full((3,), expected2), rtol=1e-3)
+        for part, before in zip(own, kept, strict=True):
+            assert torch.equal(part, before)  # read, never written
+        if with_buffer:
+            assert (await reducer.wait_part(0)).data_ptr() == buffer.data_ptr()
+
+    run(main())
+
+
+def test_a_part_is_either_reused_or_borrowed_not_both():
+    async def main():
+        reducer = TensorPartReducer([(2, torch.float32)], num_senders=1)
+        with pytest.raises(ValidationError, match=r"reused \(ours to overwrite\) or borrowed"):
+            reducer.accumulate_part(0, 0, torch.zeros(2), 1.0, reuse=True, borrow=True)
+
+    run(main())
+
+
 def test_a_sender_excluded_midway_keeps_its_delivered_parts_and_is_not_waited_for():
     async def main():
         reducer = TensorPartReducer([(2, torch.float32)] * 3, num_senders=3)

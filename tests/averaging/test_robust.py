@@ -270,6 +270,22 @@ def test_the_reducer_applies_the_rule_per_part_and_counts_who_was_limited(arun):
     arun(main)
 
 
+def test_a_borrowed_input_gives_the_same_result_and_is_never_written(arun):
+    async def main():
+        results = []
+        for borrow in (False, True):
+            reducer = RobustPartReducer([(4, torch.float32)], 3, CenteredClip(tau=1.0))
+            own = torch.tensor([0.0, 1.0, 2.0, 3.0])
+            reducer.accumulate_part(0, 0, own, borrow=borrow)
+            reducer.accumulate_part(1, 0, torch.full((4,), 2.0))
+            reducer.accumulate_part(2, 0, torch.full((4,), 50.0))
+            results.append(await reducer.wait_part(0))
+            assert torch.equal(own, torch.tensor([0.0, 1.0, 2.0, 3.0]))
+        assert torch.equal(results[0], results[1])
+
+    arun(main)
+
+
 def test_a_part_thinned_below_min_inputs_is_not_aggregated(arun):
     """Two liars among five senders: if two honest senders are excluded, the liars are a
     majority of what is left and CenteredClip would follow them; with min_inputs=5 the

@@ -72,8 +72,10 @@ class OwnerRole:
             slot = self._slot_of[me]
             local = [self.container.local_part(me, k) for k in range(reducer.num_parts)]
             if all(all_finite(part) for part in local):
+                # borrowed: our span of the tensors is written only after the round, so the
+                # first sender's part is added to it in one pass instead of copying it first
                 for part_index, part in enumerate(local):
-                    reducer.accumulate_part(slot, part_index, part, self.weight)
+                    reducer.accumulate_part(slot, part_index, part, self.weight, borrow=True)
             else:  # the others' average is still worth having
                 logger.warning(
                     "all-reduce %s: local tensors hold NaN or Inf; averaging span %d without them",

@@ -340,10 +340,14 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _PartState:
-    __slots__ = ("acc", "plain", "plain_count", "started", "weight")
+    __slots__ = ("acc", "lent", "lent_weight", "plain", "plain_count", "started", "weight")
 
     def __init__(self, acc: torch.Tensor | None):
         self.acc = acc  # running weighted sum (preallocated, or made by the first sender)
+        # a borrowed first input, not yet in ``acc``: the next input is added to it in one
+        # pass (``acc = lent + w * part``) instead of copying it into ``acc`` first
+        self.lent: torch.Tensor | None = None
+        self.lent_weight = 0.0
         self.started = False
         self.weight = 0.0
         self.plain: torch.Tensor | None = None  # unweighted sum of weight-0 contributions
@@ -398,14 +402,24 @@ class TensorPartReducer(PartReducer):
         return total
 
     def _add(
-        self, sender_index: int, part_index: int, part: torch.Tensor, weight: float, reuse: bool
+        self,
+        sender_index: int,
+        part_index: int,
+        part: torch.Tensor,
+        weight: float,
+        reuse: bool,
+        borrow: bool = False,
     ) -> None:
         state = self._parts[part_index]
         part = part.view(-1)
         acc_dtype = _accumulator_dtype(self.part_specs[part_index][1])
         if weight > 0:
-            if not state.started:
-                if state.acc is None:
+            if state.lent is not None:  # the borrowed first input and this one, one pass
+                self._fold_lent(state, part, weight)
+            elif not state.started:
+                if borrow and part.dtype == acc_dtype:
+                    state.lent, state.lent_weight = part, weight
+                elif state.acc is None:
                     if reuse and part.dtype == acc_dtype:
                         state.acc = part if weight == 1.0 else part.mul_(weight)
                     else:
@@ -425,10 +439,29 @@ class TensorPartReducer(PartReducer):
                 state.plain.add_(part)
             state.plain_count += 1
 
+    @staticmethod
+    def _fold_lent(state: _PartState, part: torch.Tensor, weight: float) -> None:
+        """``acc = lent_weight * lent + weight * part``, reading the borrowed input once."""
+        lent, state.lent = state.lent, None
+        if state.lent_weight == 1.0:
+            if state.acc is None:
+                state.acc = torch.add(lent, part, alpha=weight)
+            else:
+                torch.add(lent, part, alpha=weight, out=state.acc)
+        else:
+            if state.acc is None:
+                state.acc = torch.mul(lent, state.lent_weight)
+            else:
+                torch.mul(lent, state.lent_weight, out=state.acc)
+            state.acc.add_(part, alpha=weight)
+
     def _reduce(self, part_index: int) -> torch.Tensor | None:
         state = self._parts[part_index]
         _, dtype = self.part_specs[part_index]
-        if state.started and state.weight > 0:
+        if state.lent is not None:  # nobody else with a weight delivered it: its values
+            lent, state.lent = state.lent, None
+            result = lent.clone() if state.acc is None else state.acc.copy_(lent)
+        elif state.started and state.weight > 0:
             result = state.acc.div_(state.weight)
         elif state.plain is not None:
             result = state.plain.div_(state.plain_count)

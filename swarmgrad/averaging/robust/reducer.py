@@ -77,9 +77,13 @@ class PartReducer:
         weight: float = 1.0,
         *,
         reuse: bool = False,
+        borrow: bool = False,
     ) -> None:
         """Take ``part`` from a sender with its weight. ``reuse=True`` lets the reducer keep
-        and overwrite ``part``'s memory (a freshly received buffer), saving a copy."""
+        and overwrite ``part``'s memory (a freshly received buffer), saving a copy.
+        ``borrow=True`` promises that ``part``'s memory stays unchanged until this part is
+        finished (the owner's own values, written only after the round): the reducer may
+        read it then instead of copying it now, and never writes to it."""
         if not 0 <= sender_index < self.num_senders:
             raise ValidationError(f"sender index {sender_index} not in [0, {self.num_senders})")
         if sender_index in self._failed:
@@ -101,7 +105,9 @@ class PartReducer:
             raise ProtocolViolation(f"part {part_index} is already finished")
         if sender_index in self._contributed[part_index]:
             raise ProtocolViolation(f"sender {sender_index} sent part {part_index} twice")
-        self._add(sender_index, part_index, part, float(weight), reuse)
+        if reuse and borrow:
+            raise ValidationError("a part is either reused (ours to overwrite) or borrowed")
+        self._add(sender_index, part_index, part, float(weight), reuse, borrow)
         self._contributed[part_index].add(sender_index)
         self.contributions[sender_index] += 1
         self._maybe_finish(part_index)
@@ -132,9 +138,16 @@ class PartReducer:
             self._all_done.cancel()
 
     def _add(
-        self, sender_index: int, part_index: int, part: torch.Tensor, weight: float, reuse: bool
+        self,
+        sender_index: int,
+        part_index: int,
+        part: torch.Tensor,
+        weight: float,
+        reuse: bool,
+        borrow: bool = False,
     ) -> None:
-        """Keep a validated input (a subclass's job)."""
+        """Keep a validated input (a subclass's job; see :meth:`accumulate_part` for
+        ``reuse`` and ``borrow``)."""
         raise NotImplementedError
 
     def _reduce(self, part_index: int) -> torch.Tensor | None:
@@ -174,12 +187,19 @@ class RobustPartReducer(PartReducer):
         return self.rule.min_inputs
 
     def _add(
-        self, sender_index: int, part_index: int, part: torch.Tensor, weight: float, reuse: bool
+        self,
+        sender_index: int,
+        part_index: int,
+        part: torch.Tensor,
+        weight: float,
+        reuse: bool,
+        borrow: bool = False,
     ) -> None:
         dtype = self.part_specs[part_index][1]
         work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         values = part.reshape(-1)
-        if not reuse or values.dtype != work_dtype:
+        # a borrowed part is only read (stacked when the part is finished): no copy
+        if not (reuse or borrow) or values.dtype != work_dtype:
             values = values.to(work_dtype, copy=True)
         self._inputs[part_index][sender_index] = (values, weight)
 
