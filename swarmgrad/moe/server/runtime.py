@@ -277,6 +277,8 @@ class Runtime:
             _deliver_threadsafe(tasks, results, error, asyncio.get_running_loop())
         else:
             self._device_batches += 1
+            # idle before the callers hear back: a caller's next request may run on the loop
+            self._busy = False
             _deliver_threadsafe(tasks, results, error)
 
     def _fail_queued(self) -> None:
