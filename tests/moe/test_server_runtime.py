@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from swarmgrad.moe.server.runtime import INLINE_MAX_SAMPLES, Runtime
+from swarmgrad.moe.server.runtime import INLINE_MAX_SAMPLES, Runtime, _cheap
 from swarmgrad.moe.server.task_pool import ExpertFailure, ExpertOverloaded, TaskPool
 from swarmgrad.utils.errors import ValidationError
 
@@ -311,7 +311,7 @@ def test_a_lone_cheap_batch_runs_on_the_loop_once_its_cost_is_measured(arun):
         assert pool.stats.inline_batches == 2
         assert pool.stats.samples == 3 and pool.stats.requests == 3
         assert list(pool.stats.recent_batch_sizes) == [1, 1, 1]
-        assert pool.stats.ema_batch_seconds is not None and pool.stats.busy_seconds > 0
+        assert len(pool.stats.recent_batch_seconds) == 3 and pool.stats.busy_seconds > 0
 
     arun(main)
 
@@ -357,7 +357,8 @@ def test_an_expensive_expert_never_runs_on_the_loop(arun):
         finally:
             runtime.shutdown()
         assert threading.current_thread() not in fn.threads
-        assert pool.stats.inline_batches == 0 and pool.stats.ema_batch_seconds > 1e-3
+        assert pool.stats.inline_batches == 0
+        assert min(pool.stats.recent_batch_seconds) > 1e-3
 
     arun(main)
 
@@ -519,3 +520,39 @@ def test_an_expert_that_raises_on_the_loop_gives_the_device_threads_error(arun, 
 def test_the_runtime_checks_its_loop_budget():
     with pytest.raises(ValidationError, match="inline_max_seconds must be a number >= 0"):
         Runtime([], inline_max_seconds=-1)
+
+
+def test_the_loops_budget_looks_at_the_median_of_recent_batches_and_the_last_one():
+    cheap, slow = 1e-5, 1e-2
+    assert not _cheap([], 1e-3)  # nothing measured yet
+    assert _cheap([cheap] * 5, 1e-3)
+    assert _cheap([cheap, cheap, slow, cheap, cheap], 1e-3)  # one descheduled batch
+    assert not _cheap([cheap] * 4 + [slow], 1e-3)  # the newest batch turned slow
+    assert not _cheap([slow, slow, slow, cheap, cheap], 1e-3)  # mostly slow
+    assert _cheap([cheap] * 4 + [3e-3], 1e-3)  # within four budgets: still cheap
+
+
+def test_an_expert_that_turns_slow_on_the_loop_leaves_it_after_one_batch(arun):
+    def turns_slow(x):
+        if len(fn.sizes) >= 4:
+            time.sleep(0.1)  # over four budgets
+        return (x,)
+
+    fn = Recorder(turns_slow)
+    pool = cpu_pool(fn)
+    runtime = Runtime([pool], inline_max_seconds=0.02)
+
+    async def main():
+        runtime.start()
+        try:
+            for i in range(6):
+                await pool.submit_task(rows(1, i))
+        finally:
+            runtime.shutdown()
+        loop_thread = threading.current_thread()
+        ran_on_loop = [thread is loop_thread for thread in fn.threads]
+        # measured on the device thread, then cheap on the loop; the first slow batch runs
+        # on the loop (nothing foretold it), the next ones go to the device thread
+        assert ran_on_loop == [False, True, True, True, False, False]
+
+    arun(main)

@@ -14,9 +14,12 @@ trivial expert on a small VM), while the batch itself may take tens of microseco
 
 - the pool allows it (``may_run_inline``: the expert lives on the CPU; a GPU expert's
   batch would wait for its kernels on the loop);
-- the pool's recent batches were cheap: its moving average of batch time (measured on
-  either path, so a first batch always goes to the device thread) is at most
-  ``inline_max_seconds``, and the batch holds at most ``INLINE_MAX_SAMPLES`` samples;
+- the pool's recent batches were cheap: the median wall time of its last five batches
+  (measured on either path, so a first batch always goes to the device thread) is at
+  most ``inline_max_seconds`` and the last one took at most four times that (a batch
+  that suddenly turns slow stops the fast path at once, while a batch that was only
+  descheduled on a crowded machine does not keep it off for long), and the batch holds
+  at most ``INLINE_MAX_SAMPLES`` samples;
 - the device thread is idle and nothing was queued for this pool before the request.
 
 The run is not immediate: it is scheduled with ``call_soon``, so requests that reached the
@@ -55,8 +58,8 @@ __all__ = ["INLINE_MAX_SAMPLES", "INLINE_MAX_SECONDS", "Runtime"]
 
 logger = logging.getLogger(__name__)
 
-#: default budget for running a batch on the event loop: the pool's moving average of
-#: batch time must be at most this (a nop expert's batch of one takes 50-70 us here)
+#: default budget for running a batch on the event loop: the median time of the pool's
+#: recent batches must be at most this (a nop expert's batch of one takes 50-70 us here)
 INLINE_MAX_SECONDS = 250e-6
 #: larger batches never run on the loop (the budget was measured on the pool's recent,
 #: usually small, batches)
@@ -161,11 +164,9 @@ class Runtime:
         """Whether the loop may run this pool's only request itself (under ``_cond``)."""
         if pool.may_run_inline is None or self._busy or len(pool.tasks) != 1:
             return False
-        ema = pool.stats.ema_batch_seconds
         return (
-            ema is not None
-            and ema <= self.inline_max_seconds
-            and pool.queued_samples <= INLINE_MAX_SAMPLES
+            pool.queued_samples <= INLINE_MAX_SAMPLES
+            and _cheap(pool.stats.recent_batch_seconds, self.inline_max_seconds)
             and pool.ready_at() <= time.monotonic()
             and pool.may_run_inline()
         )
@@ -308,6 +309,14 @@ class Runtime:
                     stats.busy_seconds - busy,
                 )  # fmt: skip
         self._reported = current
+
+
+def _cheap(recent_seconds: Sequence[float], budget: float) -> bool:
+    """Whether batches that took ``recent_seconds`` (newest last) fit the loop's budget."""
+    if not recent_seconds or recent_seconds[-1] > 4 * budget:
+        return False
+    ordered = sorted(recent_seconds)
+    return ordered[len(ordered) // 2] <= budget
 
 
 def _deliver_threadsafe(

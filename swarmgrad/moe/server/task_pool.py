@@ -44,8 +44,8 @@ RECENT_BATCHES = 1024
 #: latency for its callers, and without a bound many callers (or many identities of one)
 #: could make a server hold any amount of request memory
 QUEUED_BATCHES = 16
-#: weight of the newest batch in a pool's moving average of batch time
-EMA_WEIGHT = 0.25
+#: how many recent batch times a pool keeps to decide whether a batch may run on the loop
+RECENT_TIMES = 5
 
 
 class ExpertFailure(SwarmgradError):
@@ -85,8 +85,10 @@ class PoolStats:
     )
     #: batches run on the event loop rather than the device thread (counted in ``batches``)
     inline_batches: int = 0
-    #: exponential moving average of the seconds a batch took (None before the first)
-    ema_batch_seconds: float | None = None
+    #: seconds the last few batches took (wall time), newest last
+    recent_batch_seconds: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_TIMES)
+    )
 
 
 class TaskPool:
@@ -216,8 +218,7 @@ class TaskPool:
         inline: bool = False,
     ) -> None:
         stats = self.stats
-        ema = stats.ema_batch_seconds
-        stats.ema_batch_seconds = seconds if ema is None else ema + EMA_WEIGHT * (seconds - ema)
+        stats.recent_batch_seconds.append(seconds)
         stats.inline_batches += inline
         stats.batches += 1
         stats.samples += batch_size
