@@ -16,7 +16,15 @@ Modeled on hivemind's ``benchmarks/benchmark_throughput.py``:
   calls of a batch of one through a :class:`RemoteExpert` from a client process.
 
 Everything runs on loopback with encryption on. Prints a table and, last, one JSON line
-with ``remote_samples_per_s``, ``local_samples_per_s``, ``ratio``, ``rtt_batch1_ms``.
+with ``remote_samples_per_s``, ``local_samples_per_s``, ``ratio``, ``rtt_batch1_ms`` and
+the CPU seconds each side spends per batch (``server_cpu_ms_per_batch``: the ffn server's
+process, all threads, over the throughput phase; ``server_loop_cpu_ms_per_batch``: its
+event loop thread alone, i.e. transport and handlers; ``client_cpu_ms_per_batch``: the
+clients' processes over their timed loops; ``local_cpu_ms_per_batch``: the local
+reference; ``overhead_cpu_ms_per_batch`` = server + client - local). They move less with
+the machine's load than samples/s, except that OpenMP threads spin while they wait for a
+descheduled peer thread, which inflates the compute's CPU on a crowded machine; the loop
+thread's and the clients' CPU do not run torch's parallel kernels and stay steady.
 """
 
 from __future__ import annotations
@@ -31,7 +39,11 @@ import time
 HIDDEN = 1024
 
 
-def _serve(expert_cls: str, num_experts: int, hidden: int, ready: mp.Queue, stop) -> None:
+def _serve(
+    expert_cls: str, num_experts: int, hidden: int, ready: mp.Queue, stop, report=None
+) -> None:
+    """Serve until ``stop``; when ``report`` (an event) is set, put the CPU seconds since
+    it became ready on ``ready``: the whole process's and its event loop thread's."""
     import torch
 
     from swarmgrad.moe.server import Server
@@ -47,10 +59,24 @@ def _serve(expert_cls: str, num_experts: int, hidden: int, ready: mp.Queue, stop
         start=True,
     )
     try:
+        cpu_at_ready, loop_cpu_at_ready = time.process_time(), _loop_thread_time()
         ready.put([str(m) for m in server.dht.get_visible_maddrs()])
+        if report is not None and report.wait(600):
+            ready.put((time.process_time() - cpu_at_ready, _loop_thread_time() - loop_cpu_at_ready))
         stop.wait(600)
     finally:
         server.shutdown()
+
+
+def _loop_thread_time() -> float:
+    """CPU seconds of the process's event loop thread (the transport and the RPC
+    handlers; the experts' compute runs elsewhere)."""
+    from swarmgrad.utils.loop_thread import run_coroutine
+
+    async def read() -> float:
+        return time.thread_time()
+
+    return run_coroutine(read(), timeout=30)
 
 
 def _client(
@@ -69,15 +95,20 @@ def _client(
         generator = torch.Generator().manual_seed(index)
         x = torch.randn(args.batch_size, HIDDEN, generator=generator)
         grad = torch.randn(args.batch_size, HIDDEN, generator=generator)
-        experts[0](x[:1])  # connect and fetch the schema before the clock starts
+        # before the clock starts, as the local reference warms up every expert: connect,
+        # fetch each expert's schema, and pay the process's one-time costs (torch imports
+        # sympy at a process's first backward with explicit gradients: 0.4 s of CPU here)
+        for expert in experts:
+            expert(x[:1].requires_grad_(True)).backward(grad[:1])
         barrier.wait(120)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for _ in range(args.batches_per_client):
             expert = experts[int(torch.randint(num_experts, (), generator=generator))]
             inputs = x.requires_grad_(True)
             expert(inputs).backward(grad)
             inputs.grad = None
-        out.put((started, time.perf_counter(), args.batches_per_client * args.batch_size))
+        cpu = time.process_time() - cpu_started
+        out.put((started, time.perf_counter(), args.batches_per_client * args.batch_size, cpu))
     finally:
         dht.shutdown()
 
@@ -121,7 +152,8 @@ def _collect(out, processes: list, count: int, timeout: float) -> list:
     return results
 
 
-def measure_local(num_experts: int, args: argparse.Namespace) -> float:
+def measure_local(num_experts: int, args: argparse.Namespace) -> tuple[float, float]:
+    """Samples/s and CPU seconds per batch of the local reference."""
     import torch
 
     from swarmgrad.moe.server.layers import name_to_block
@@ -142,17 +174,20 @@ def measure_local(num_experts: int, args: argparse.Namespace) -> float:
     for i in range(num_experts):  # warm up every expert (allocations, Adam state)
         step(i)
     batches = args.num_clients * args.batches_per_client
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(batches):
         step(int(torch.randint(num_experts, (), generator=generator)))
-    return batches * args.batch_size / (time.perf_counter() - started)
+    cpu = time.process_time() - cpu_started
+    return batches * args.batch_size / (time.perf_counter() - started), cpu / batches
 
 
-def measure_remote(args: argparse.Namespace) -> tuple[float, float]:
+def measure_remote(args: argparse.Namespace) -> tuple[float, float, float, float, float]:
+    """Samples/s, batch-1 round trip (s), and CPU seconds per batch: the server process,
+    its loop thread, the clients."""
     ctx = mp.get_context("spawn")
-    stop, ready = ctx.Event(), ctx.Queue()
+    stop, ready, report = ctx.Event(), ctx.Queue(), ctx.Event()
     servers = [
-        ctx.Process(target=_serve, args=("ffn", args.num_experts, HIDDEN, ready, stop)),
+        ctx.Process(target=_serve, args=("ffn", args.num_experts, HIDDEN, ready, stop, report)),
         ctx.Process(target=_serve, args=("nop", 1, HIDDEN, ready, stop)),
     ]
     clients: list = []
@@ -169,14 +204,18 @@ def measure_remote(args: argparse.Namespace) -> tuple[float, float]:
         for client in clients:
             client.start()
         results = _collect(out, clients + servers, len(clients), 600)
-        starts, ends, samples = zip(*results, strict=True)
+        report.set()
+        ((server_cpu, server_loop_cpu),) = _collect(ready, servers, 1, 60)
+        starts, ends, samples, client_cpus = zip(*results, strict=True)
         throughput = sum(samples) / (max(ends) - min(starts))
+        batches = args.num_clients * args.batches_per_client
         latency_out = ctx.Queue()
         probe = ctx.Process(target=_latency, args=(nop_maddrs, args.latency_calls, latency_out))
         clients.append(probe)
         probe.start()
         (rtt,) = _collect(latency_out, [probe, *servers], 1, 300)
-        return throughput, rtt
+        cpu = (server_cpu / batches, server_loop_cpu / batches, sum(client_cpus) / batches)
+        return throughput, rtt, *cpu
     finally:
         stop.set()
         for process in clients + servers:
@@ -197,24 +236,46 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
     remote, local, rtts = [], [], []
+    server_cpu, loop_cpu, client_cpu, local_cpu = [], [], [], []
     for repeat in range(args.repeats):
         # local before and after remote, averaged: the machine's load drifts
-        before = measure_local(args.num_experts, args)
-        throughput, rtt = measure_remote(args)
-        after = measure_local(args.num_experts, args)
+        before, before_cpu = measure_local(args.num_experts, args)
+        throughput, rtt, server_s, loop_s, client_s = measure_remote(args)
+        after, after_cpu = measure_local(args.num_experts, args)
         remote.append(throughput)
         rtts.append(rtt)
         local.append((before + after) / 2)
+        server_cpu.append(server_s)
+        loop_cpu.append(loop_s)
+        client_cpu.append(client_s)
+        local_cpu.append((before_cpu + after_cpu) / 2)
         print(
             f"run {repeat + 1}: remote {remote[-1]:,.0f} samples/s, local {local[-1]:,.0f} "
-            f"samples/s (ratio {remote[-1] / local[-1]:.2f}), batch-1 RTT {rtt * 1e3:.3f} ms",
+            f"samples/s (ratio {remote[-1] / local[-1]:.2f}), batch-1 RTT {rtt * 1e3:.3f} ms; "
+            f"CPU per batch: server {server_s * 1e3:.1f} ms (loop {loop_s * 1e3:.1f}) + clients "
+            f"{client_s * 1e3:.1f} ms, "
+            f"local {local_cpu[-1] * 1e3:.1f} ms",
             flush=True,
         )
+    cpu_ms = {
+        name: round(statistics.median(values) * 1e3, 2)
+        for name, values in (
+            ("server", server_cpu),
+            ("server_loop", loop_cpu),
+            ("client", client_cpu),
+            ("local", local_cpu),
+            (
+                "overhead",
+                [s + c - loc for s, c, loc in zip(server_cpu, client_cpu, local_cpu, strict=True)],
+            ),
+        )
+    }
     figures = {
         "remote_samples_per_s": round(statistics.median(remote), 1),
         "local_samples_per_s": round(statistics.median(local), 1),
         "ratio": round(statistics.median(r / loc for r, loc in zip(remote, local, strict=True)), 3),
         "rtt_batch1_ms": round(statistics.median(rtts) * 1e3, 3),
+        **{f"{name}_cpu_ms_per_batch": value for name, value in cpu_ms.items()},
     }
     print(
         f"\n{args.num_experts} ffn experts (hidden {HIDDEN}), {args.num_clients} clients, "
@@ -223,7 +284,10 @@ def main() -> None:
         f"  local   {figures['local_samples_per_s']:>10,.0f} samples/s\n"
         f"  ratio   {figures['ratio']:>10.3f}   (target >= 0.85)\n"
         f"  batch-1 round trip through a nop expert: {figures['rtt_batch1_ms']:.3f} ms "
-        f"(target <= 1 ms)"
+        f"(target <= 1 ms)\n"
+        f"  CPU per batch: server {cpu_ms['server']:.1f} ms (its loop thread "
+        f"{cpu_ms['server_loop']:.1f}) + clients {cpu_ms['client']:.1f} ms "
+        f"against local {cpu_ms['local']:.1f} ms (overhead {cpu_ms['overhead']:.1f} ms)"
     )
     print(json.dumps(figures))
 

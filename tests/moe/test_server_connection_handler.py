@@ -288,3 +288,49 @@ def test_the_expert_protocol_is_served_under_the_moe_names():
     names = sorted(handler.name for handler in ConnectionHandler({}).rpc_handlers())
     assert names == ["moe.backward", "moe.forward", "moe.info"]
     assert names == sorted([protocol.BACKWARD, protocol.FORWARD, protocol.INFO])
+
+
+def test_batches_run_on_the_servers_loop_answer_exactly_like_the_device_thread(arun):
+    """The same expert served twice, once with the loop's fast path and once without:
+    outputs, input gradients, weights after the optimizer steps and a failing batch's
+    error are identical, and the fast path was really taken."""
+    torch.manual_seed(0)
+    module = Fragile()
+    answers = {}
+
+    async def serve(budget: float) -> None:
+        backends = {"f.0": make_backend("f.0", copy.deepcopy(module))}
+        async with serving(backends) as (server, client, addr):
+            server.runtime.inline_max_seconds = budget
+            generator = torch.Generator().manual_seed(1)
+            replies = []
+            for _ in range(4):
+                x = torch.randn(2, 4, generator=generator)
+                g = torch.randn(2, 4, generator=generator)
+                replies.append(await call_forward(client, addr, "f.0", x))
+                replies.append(await call_backward(client, addr, "f.0", [x], [g]))
+            with pytest.raises(RemoteError) as failure:
+                await call_forward(client, addr, "f.0", torch.full((1, 4), 1e3))
+            replies.append(await call_forward(client, addr, "f.0", torch.ones(1, 4)))
+            backend = backends["f.0"]
+            stats = backend.forward_pool.stats, backend.backward_pool.stats
+            inline = sum(s.inline_batches for s in stats)
+            assert (inline > 0) == (budget > 0)
+            assert [s.batches for s in stats] == [6, 4]
+            assert [s.failed_batches for s in stats] == [1, 0]
+            weights = [p.detach().clone() for p in backend.module.parameters()]
+            # "ExpertFailure on <server's PeerID>: <message>": the servers' ids differ
+            kind, message = str(failure.value).split(": ", 1)
+            assert kind.startswith("ExpertFailure on ")
+            answers[budget] = replies, message, weights
+
+    async def main():
+        await serve(1.0)  # a generous budget: every measured batch fits
+        await serve(0.0)
+
+    arun(main)
+    (fast, fast_error, fast_weights), (slow, slow_error, slow_weights) = answers[1.0], answers[0.0]
+    for fast_reply, slow_reply in zip(fast, slow, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(fast_reply, slow_reply, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fast_weights, slow_weights, strict=True))
+    assert fast_error == slow_error and "activation overflow in Fragile" in fast_error

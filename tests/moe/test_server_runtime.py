@@ -6,11 +6,12 @@ import asyncio
 import logging
 import re
 import threading
+import time
 
 import pytest
 import torch
 
-from swarmgrad.moe.server.runtime import Runtime
+from swarmgrad.moe.server.runtime import INLINE_MAX_SAMPLES, Runtime, _cheap
 from swarmgrad.moe.server.task_pool import ExpertFailure, ExpertOverloaded, TaskPool
 from swarmgrad.utils.errors import ValidationError
 
@@ -264,3 +265,294 @@ def test_stats_reports_log_the_work_done_since_the_last_one(arun, caplog):
     with caplog.at_level(logging.INFO, logger="swarmgrad.moe.server.runtime"):
         arun(main)
     assert re.search(r"e\.0_forward: \d batches, [235] samples \(mean batch", caplog.text)
+
+
+# ---------------------------------------------------------------------- batches on the loop
+
+
+class Recorder:
+    """A process function that records the thread and size of every batch it runs."""
+
+    def __init__(self, fn=None):
+        self.fn = fn or (lambda x: (x * 2,))
+        self.threads: list[threading.Thread] = []
+        self.sizes: list[int] = []
+
+    def __call__(self, x):
+        self.threads.append(threading.current_thread())
+        self.sizes.append(x.shape[0])
+        return self.fn(x)
+
+
+def cpu_pool(fn, name="e.0_forward", **kwargs) -> TaskPool:
+    """A pool that allows the loop to run its batches, as a CPU expert's pools do."""
+    return TaskPool(fn, 64, name, lock=threading.RLock(), may_run_inline=lambda: True, **kwargs)
+
+
+def test_a_lone_cheap_batch_runs_on_the_loop_once_its_cost_is_measured(arun):
+    fn = Recorder()
+    pool = cpu_pool(fn)
+    runtime = Runtime([pool], inline_max_seconds=1.0)
+
+    async def main():
+        runtime.start()
+        try:
+            results = [await pool.submit_task(rows(1, i)) for i in range(3)]
+        finally:
+            runtime.shutdown()
+        loop_thread = threading.current_thread()
+        # the first batch has no measured cost yet: the device thread runs it
+        assert fn.threads[0] is not loop_thread
+        assert fn.threads[1:] == [loop_thread, loop_thread]
+        for i, (out,) in enumerate(results):
+            assert torch.equal(out, rows(1, i) * 2)
+        # the same statistics as batches on the device thread
+        assert pool.stats.batches == 3 == runtime.batches_processed
+        assert pool.stats.inline_batches == 2
+        assert pool.stats.samples == 3 and pool.stats.requests == 3
+        assert list(pool.stats.recent_batch_sizes) == [1, 1, 1]
+        assert len(pool.stats.recent_batch_seconds) == 3 and pool.stats.busy_seconds > 0
+
+    arun(main)
+
+
+def test_pools_without_may_run_inline_and_a_zero_budget_always_use_the_device_thread(arun):
+    plain_fn, budgetless_fn = Recorder(), Recorder()
+    plain = TaskPool(plain_fn, 64, "plain_forward")
+    budgetless = cpu_pool(budgetless_fn, "budgetless_forward")
+    runtimes = [Runtime([plain], inline_max_seconds=1.0), Runtime([budgetless])]
+    runtimes[1].inline_max_seconds = 0.0
+
+    async def main():
+        for runtime in runtimes:
+            runtime.start()
+        try:
+            for _ in range(3):
+                await plain.submit_task(rows(1))
+                await budgetless.submit_task(rows(1))
+        finally:
+            for runtime in runtimes:
+                runtime.shutdown()
+        loop_thread = threading.current_thread()
+        assert loop_thread not in plain_fn.threads + budgetless_fn.threads
+        assert plain.stats.inline_batches == budgetless.stats.inline_batches == 0
+
+    arun(main)
+
+
+def test_an_expensive_expert_never_runs_on_the_loop(arun):
+    def slow(x):
+        time.sleep(0.003)  # 3 ms per batch, over the 1 ms budget
+        return (x + 1,)
+
+    fn = Recorder(slow)
+    pool = cpu_pool(fn)
+    runtime = Runtime([pool], inline_max_seconds=1e-3)
+
+    async def main():
+        runtime.start()
+        try:
+            for _ in range(4):
+                await pool.submit_task(rows(1))
+        finally:
+            runtime.shutdown()
+        assert threading.current_thread() not in fn.threads
+        assert pool.stats.inline_batches == 0
+        assert min(pool.stats.recent_batch_seconds) > 1e-3
+
+    arun(main)
+
+
+def test_no_batch_runs_on_the_loop_while_the_device_thread_is_busy(arun):
+    gate = Gate()
+    busy = TaskPool(gate, 64, "slow.0_forward")
+    fn = Recorder()
+    cheap = cpu_pool(fn, "cheap.0_forward")
+    runtime = Runtime([busy, cheap], inline_max_seconds=1.0)
+
+    async def main():
+        runtime.start()
+        try:
+            await cheap.submit_task(rows(1))  # measured: cheap from now on
+            blocking = busy.submit_task(rows(1))
+            await asyncio.to_thread(gate.entered.wait, DEADLINE)
+            queued = cheap.submit_task(rows(1, 5))
+            await asyncio.sleep(0.05)
+            assert not queued.done() and cheap.num_pending == 1  # waits its turn
+            gate.release.set()
+            (out,) = await queued
+            await blocking
+        finally:
+            gate.release.set()
+            runtime.shutdown()
+        assert torch.equal(out, rows(1, 5) * 2)
+        assert threading.current_thread() not in fn.threads
+        assert cheap.stats.inline_batches == 0
+
+    arun(main)
+
+
+def test_the_loop_never_waits_for_a_held_expert_lock(arun):
+    fn = Recorder()
+    pool = cpu_pool(fn)
+    runtime = Runtime([pool], inline_max_seconds=1.0)
+    held, release = threading.Event(), threading.Event()
+
+    def checkpoint():  # holds the expert's lock, as a checkpoint does
+        with pool.lock:
+            held.set()
+            assert release.wait(DEADLINE)
+
+    async def main():
+        runtime.start()
+        holder = threading.Thread(target=checkpoint)
+        try:
+            await pool.submit_task(rows(1))
+            holder.start()
+            assert await asyncio.to_thread(held.wait, DEADLINE)
+            future = pool.submit_task(rows(1, 7))
+            for _ in range(5):  # the loop keeps running while the lock is held
+                await asyncio.sleep(0.01)
+            assert not future.done()
+            release.set()
+            (out,) = await future
+        finally:
+            release.set()
+            runtime.shutdown()
+            holder.join(DEADLINE)
+        assert torch.equal(out, rows(1, 7) * 2)
+        assert threading.current_thread() not in fn.threads  # the device thread ran both
+        assert pool.stats.inline_batches == 0 and pool.stats.batches == 2
+
+    def locked_forward(x):
+        with pool.lock:  # what ModuleBackend.forward does
+            return (x * 2,)
+
+    fn.fn = locked_forward
+    arun(main)
+
+
+def test_requests_that_arrive_together_still_merge_into_one_batch(arun):
+    fn = Recorder()
+    pool = cpu_pool(fn)
+    runtime = Runtime([pool], inline_max_seconds=1.0)
+
+    async def main():
+        runtime.start()
+        try:
+            await pool.submit_task(rows(1))
+            inputs = [rows(n, 10 * i) for i, n in enumerate([1, 2, 3])]
+            results = await asyncio.gather(*(pool.submit_task(x) for x in inputs))
+        finally:
+            runtime.shutdown()
+        assert fn.sizes == [1, 6]  # one batch of the three requests, run on the loop
+        assert fn.threads[1] is threading.current_thread()
+        assert list(pool.stats.recent_batch_requests) == [1, 3]
+        for x, (out,) in zip(inputs, results, strict=True):
+            assert torch.equal(out, x * 2)
+
+    arun(main)
+
+
+def test_a_batch_too_large_for_the_loop_goes_to_the_device_thread(arun):
+    fn = Recorder()
+    pool = TaskPool(fn, 256, "e.0_forward", lock=threading.RLock(), may_run_inline=lambda: True)
+    runtime = Runtime([pool], inline_max_seconds=1.0)
+
+    async def main():
+        runtime.start()
+        try:
+            await pool.submit_task(rows(1))
+            await pool.submit_task(rows(INLINE_MAX_SAMPLES + 1))
+            # requests that join a scheduled run on the loop and make it too large
+            await asyncio.gather(*(pool.submit_task(rows(INLINE_MAX_SAMPLES)) for _ in range(2)))
+        finally:
+            runtime.shutdown()
+        assert threading.current_thread() not in fn.threads
+        assert fn.sizes == [1, INLINE_MAX_SAMPLES + 1, 2 * INLINE_MAX_SAMPLES]
+
+    arun(main)
+
+
+def test_an_expert_that_raises_on_the_loop_gives_the_device_threads_error(arun, caplog):
+    def fails_after_the_first(x):
+        if fails_after_the_first.calls:
+            raise RuntimeError(f"boom on {x.shape[0]}")
+        fails_after_the_first.calls += 1
+        return (x,)
+
+    fails_after_the_first.calls = 0
+    errors = {}
+
+    async def run(budget: float) -> None:
+        fn = Recorder(fails_after_the_first)
+        pool = cpu_pool(fn)
+        runtime = Runtime([pool], inline_max_seconds=budget)
+        fails_after_the_first.calls = 0
+        runtime.start()
+        try:
+            await pool.submit_task(rows(1))
+            with pytest.raises(ExpertFailure) as failure:
+                await pool.submit_task(rows(2))
+            # the runtime keeps serving
+            fn.fn = lambda x: (x * 3,)
+            (out,) = await pool.submit_task(rows(1, 4))
+            assert torch.equal(out, rows(1, 4) * 3)
+        finally:
+            runtime.shutdown()
+        errors[budget] = str(failure.value)
+        assert pool.stats.failed_batches == 1 and pool.stats.batches == 3
+        assert (fn.threads[1] is threading.current_thread()) == (budget > 0)
+
+    async def main():
+        await run(1.0)  # on the loop
+        await run(0.0)  # on the device thread
+
+    with caplog.at_level(logging.WARNING, logger="swarmgrad.moe.server.runtime"):
+        arun(main)
+    assert errors[1.0] == errors[0.0]
+    assert errors[1.0] == (
+        "e.0_forward failed on a batch of 1 requests (2 samples): RuntimeError: boom on 2"
+    )
+    assert caplog.text.count("e.0_forward failed on a batch of 1 requests") == 2
+
+
+def test_the_runtime_checks_its_loop_budget():
+    with pytest.raises(ValidationError, match="inline_max_seconds must be a number >= 0"):
+        Runtime([], inline_max_seconds=-1)
+
+
+def test_the_loops_budget_looks_at_the_median_of_recent_batches_and_the_last_one():
+    cheap, slow = 1e-5, 1e-2
+    assert not _cheap([], 1e-3)  # nothing measured yet
+    assert _cheap([cheap] * 5, 1e-3)
+    assert _cheap([cheap, cheap, slow, cheap, cheap], 1e-3)  # one descheduled batch
+    assert not _cheap([cheap] * 4 + [slow], 1e-3)  # the newest batch turned slow
+    assert not _cheap([slow, slow, slow, cheap, cheap], 1e-3)  # mostly slow
+    assert _cheap([cheap] * 4 + [3e-3], 1e-3)  # within four budgets: still cheap
+
+
+def test_an_expert_that_turns_slow_on_the_loop_leaves_it_after_one_batch(arun):
+    def turns_slow(x):
+        if len(fn.sizes) >= 4:
+            time.sleep(0.1)  # over four budgets
+        return (x,)
+
+    fn = Recorder(turns_slow)
+    pool = cpu_pool(fn)
+    runtime = Runtime([pool], inline_max_seconds=0.02)
+
+    async def main():
+        runtime.start()
+        try:
+            for i in range(6):
+                await pool.submit_task(rows(1, i))
+        finally:
+            runtime.shutdown()
+        loop_thread = threading.current_thread()
+        ran_on_loop = [thread is loop_thread for thread in fn.threads]
+        # measured on the device thread, then cheap on the loop; the first slow batch runs
+        # on the loop (nothing foretold it), the next ones go to the device thread
+        assert ran_on_loop == [False, True, True, True, False, False]
+
+    arun(main)

@@ -177,11 +177,13 @@ class ModuleBackend:
         # held while this expert computes or its state is read or replaced, so that a
         # checkpoint never sees half an optimizer step
         self.lock = threading.RLock()
+        # a CPU expert's cheap batches may run on the server's event loop (see Runtime)
+        pool_options = dict(kwargs, lock=self.lock, may_run_inline=self._runs_on_cpu)
         self.forward_pool = TaskPool(
-            self.forward, max_batch_size, f"{name}_forward", min_batch_size, **kwargs
+            self.forward, max_batch_size, f"{name}_forward", min_batch_size, **pool_options
         )
         self.backward_pool = TaskPool(
-            self.backward, max_batch_size, f"{name}_backward", min_batch_size, **kwargs
+            self.backward, max_batch_size, f"{name}_backward", min_batch_size, **pool_options
         )
 
     def __repr__(self) -> str:
@@ -190,6 +192,9 @@ class ModuleBackend:
     @property
     def device(self) -> torch.device:
         return _module_device(self.module)
+
+    def _runs_on_cpu(self) -> bool:
+        return self.device.type == "cpu"
 
     # ------------------------------------------------------------------ compute
 

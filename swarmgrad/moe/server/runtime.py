@@ -7,6 +7,30 @@ whose oldest task is oldest, runs the batch in torch (which releases the GIL for
 heavy work), splits the outputs back per request and resolves the requests' futures on
 their loop with one ``call_soon_threadsafe`` per batch.
 
+**A lone cheap batch runs on the event loop.** Handing a batch of one to the device
+thread and back costs two thread wake-ups (about half of a batch-1 round trip through a
+trivial expert on a small VM), while the batch itself may take tens of microseconds. So
+:meth:`Runtime.enqueue` lets the loop run a batch itself when all of these hold:
+
+- the pool allows it (``may_run_inline``: the expert lives on the CPU; a GPU expert's
+  batch would wait for its kernels on the loop);
+- the pool's recent batches were cheap: the median wall time of its last five batches
+  (measured on either path, so a first batch always goes to the device thread) is at
+  most ``inline_max_seconds`` and the last one took at most four times that (a batch
+  that suddenly turns slow stops the fast path at once, while a batch that was only
+  descheduled on a crowded machine does not keep it off for long), and the batch holds
+  at most ``INLINE_MAX_SAMPLES`` samples;
+- the device thread is idle and nothing was queued for this pool before the request.
+
+The run is not immediate: it is scheduled with ``call_soon``, so requests that reached the
+loop in the same iteration join the same batch, as they would on the device thread (too
+many samples by then, or the device thread started a batch meanwhile: the device thread
+takes it after all). The loop never waits on the expert's lock (a checkpoint holds it):
+it try-acquires it and falls back to the device thread. Errors, statistics and delivery
+are the device thread's own (:meth:`Runtime._run_batch`), for forward and backward alike:
+a backward batch is an optimizer step, and the rule only admits it when its measured
+cost (step included) is within the same budget.
+
 An exception inside a batch goes to every request of that batch as an
 :class:`~swarmgrad.moe.server.task_pool.ExpertFailure`; the thread keeps serving.
 On shutdown the requests still queued receive an ExpertFailure saying so.
@@ -30,9 +54,16 @@ from swarmgrad.moe.server.task_pool import (
 )
 from swarmgrad.utils.errors import ValidationError
 
-__all__ = ["Runtime"]
+__all__ = ["INLINE_MAX_SAMPLES", "INLINE_MAX_SECONDS", "Runtime"]
 
 logger = logging.getLogger(__name__)
+
+#: default budget for running a batch on the event loop: the median time of the pool's
+#: recent batches must be at most this (a nop expert's batch of one takes 50-70 us here)
+INLINE_MAX_SECONDS = 250e-6
+#: larger batches never run on the loop (the budget was measured on the pool's recent,
+#: usually small, batches)
+INLINE_MAX_SAMPLES = 64
 
 
 class Runtime:
@@ -40,6 +71,8 @@ class Runtime:
 
     ``stats_report_interval`` (seconds) logs, per pool that did work, how many batches and
     samples it processed and its mean batch size since the previous report.
+    ``inline_max_seconds`` is the budget of a batch run on the event loop (see the module's
+    docstring); 0 sends every batch to the device thread.
     """
 
     def __init__(
@@ -48,14 +81,22 @@ class Runtime:
         *,
         stats_report_interval: float | None = None,
         name: str = "swarmgrad-runtime",
+        inline_max_seconds: float = INLINE_MAX_SECONDS,
     ):
+        if not isinstance(inline_max_seconds, (int, float)) or not inline_max_seconds >= 0:
+            raise ValidationError(
+                f"inline_max_seconds must be a number >= 0, got {inline_max_seconds!r}"
+            )
         self.pools: list[TaskPool] = list(pools)
         names = [pool.name for pool in self.pools]
         if len(set(names)) != len(names):
             raise ValidationError(f"task pool names must be unique, got {names}")
         self.stats_report_interval = stats_report_interval
         self.name = name
-        self.batches_processed = 0
+        self.inline_max_seconds = float(inline_max_seconds)
+        self._device_batches = 0
+        self._inline_batches = 0
+        self._busy = False  # the device thread runs a batch (guarded by _cond)
         self._reported: dict[str, tuple[int, int, float]] = {}  # pool stats at the last report
         self._cond = threading.Condition(threading.Lock())
         self._nonempty: dict[TaskPool, None] = {}  # pools with queued tasks, insertion order
@@ -96,6 +137,11 @@ class Runtime:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def batches_processed(self) -> int:
+        """Batches run so far, on the device thread or on the event loop."""
+        return self._device_batches + self._inline_batches
+
     # ------------------------------------------------------------------ event loop side
 
     def enqueue(self, pool: TaskPool, task: Task) -> None:
@@ -106,7 +152,51 @@ class Runtime:
             pool.queued_samples += task.size
             if pool not in self._nonempty:
                 self._nonempty[pool] = None
+            if pool.inline_pending:
+                return  # joins the batch the loop is about to run (or hand over)
+            if self._may_run_inline(pool):
+                pool.inline_pending = True
+                task.future.get_loop().call_soon(self._run_inline, pool)
+                return
             self._cond.notify()
+
+    def _may_run_inline(self, pool: TaskPool) -> bool:
+        """Whether the loop may run this pool's only request itself (under ``_cond``)."""
+        if pool.may_run_inline is None or self._busy or len(pool.tasks) != 1:
+            return False
+        return (
+            pool.queued_samples <= INLINE_MAX_SAMPLES
+            and _cheap(pool.stats.recent_batch_seconds, self.inline_max_seconds)
+            and pool.ready_at() <= time.monotonic()
+            and pool.may_run_inline()
+        )
+
+    def _run_inline(self, pool: TaskPool) -> None:
+        """The loop's side of the fast path: run the pool's batch here, or hand it to the
+        device thread when things changed since it was scheduled."""
+        lock = pool.lock
+        locked = lock is None or lock.acquire(blocking=False)  # a checkpoint may hold it
+        try:
+            with self._cond:
+                pool.inline_pending = False
+                if not pool.tasks:
+                    return  # the device thread took them meanwhile
+                if (
+                    not locked
+                    or self._busy
+                    or self._stopping
+                    or pool.queued_samples > INLINE_MAX_SAMPLES
+                ):
+                    self._cond.notify()
+                    return
+                tasks = pool.take_batch()
+                if not pool.tasks:
+                    self._nonempty.pop(pool, None)
+            if tasks:
+                self._run_batch(pool, tasks, inline=True)
+        finally:
+            if locked and lock is not None:
+                lock.release()
 
     # ------------------------------------------------------------------ device thread
 
@@ -136,6 +226,7 @@ class Runtime:
         """Block until some pool is ready, then take its batch. Returns None when stopping
         and ``(None, [])`` when a stats report is due first."""
         with self._cond:
+            self._busy = False
             while not self._stopping:
                 now = time.monotonic()
                 best: TaskPool | None = None
@@ -154,13 +245,16 @@ class Runtime:
                     tasks = best.take_batch()
                     if not best.tasks:
                         self._nonempty.pop(best, None)
+                    self._busy = bool(tasks)
                     return best, tasks
                 if next_report is not None and now >= next_report:
                     return None, []
                 self._cond.wait(None if wake_at is None else max(wake_at - now, 0.0))
             return None
 
-    def _run_batch(self, pool: TaskPool, tasks: Sequence[Task]) -> None:
+    def _run_batch(self, pool: TaskPool, tasks: Sequence[Task], inline: bool = False) -> None:
+        """Run one batch and answer its requests (on the device thread, or on the loop
+        when ``inline``: then this loop's futures are resolved at once)."""
         started = time.perf_counter()
         batch_size = sum(t.size for t in tasks)
         try:
@@ -177,9 +271,16 @@ class Runtime:
                 f"{pool.name} failed on a batch of {len(tasks)} requests ({batch_size} samples): "
                 f"{type(e).__name__}: {e}"
             )
-        pool.record(batch_size, len(tasks), time.perf_counter() - started, error is not None)
-        self.batches_processed += 1
-        _deliver_threadsafe(tasks, results, error)
+        seconds = time.perf_counter() - started
+        pool.record(batch_size, len(tasks), seconds, error is not None, inline)
+        if inline:
+            self._inline_batches += 1
+            _deliver_threadsafe(tasks, results, error, asyncio.get_running_loop())
+        else:
+            self._device_batches += 1
+            # idle before the callers hear back: a caller's next request may run on the loop
+            self._busy = False
+            _deliver_threadsafe(tasks, results, error)
 
     def _fail_queued(self) -> None:
         with self._cond:
@@ -210,19 +311,32 @@ class Runtime:
         self._reported = current
 
 
+def _cheap(recent_seconds: Sequence[float], budget: float) -> bool:
+    """Whether batches that took ``recent_seconds`` (newest last) fit the loop's budget."""
+    if not recent_seconds or recent_seconds[-1] > 4 * budget:
+        return False
+    ordered = sorted(recent_seconds)
+    return ordered[len(ordered) // 2] <= budget
+
+
 def _deliver_threadsafe(
     tasks: Sequence[Task],
     results: list[tuple] | None,
     error: str | None,
+    current_loop: asyncio.AbstractEventLoop | None = None,
 ) -> None:
-    """Resolve the tasks' futures on their loops (one wake-up per loop); ``error`` is the
-    message of the ExpertFailure every task receives instead of a result."""
+    """Resolve the tasks' futures on their loops (one wake-up per loop; at once for
+    ``current_loop``, the loop this runs on); ``error`` is the message of the
+    ExpertFailure every task receives instead of a result."""
     by_loop: dict[asyncio.AbstractEventLoop, list[int]] = {}
     for index, task in enumerate(tasks):
         by_loop.setdefault(task.future.get_loop(), []).append(index)
     for loop, indices in by_loop.items():
         subset = [tasks[i] for i in indices]
         subset_results = None if results is None else [results[i] for i in indices]
+        if loop is current_loop:
+            _deliver(subset, subset_results, error)
+            continue
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
             loop.call_soon_threadsafe(_deliver, subset, subset_results, error)
 

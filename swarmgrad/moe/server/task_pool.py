@@ -11,12 +11,18 @@ a batch never holds more than ``max_batch_size`` samples, and a pool is ready wh
 holds ``min_batch_size`` samples or its oldest task has waited ``timeout`` seconds. At most
 ``max_queued_samples`` (default: 16 full batches) wait in a pool; a request beyond that is
 refused at once with :class:`ExpertOverloaded`, so clients move on to other experts.
+
+A pool may let the runtime run a lone cheap batch on the event loop itself (see
+:class:`~swarmgrad.moe.server.runtime.Runtime`): its owner gives it the expert's ``lock``
+and ``may_run_inline``, which says whether the expert may run there now (a CPU expert).
+Pools without ``may_run_inline`` always go through the device thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +44,8 @@ RECENT_BATCHES = 1024
 #: latency for its callers, and without a bound many callers (or many identities of one)
 #: could make a server hold any amount of request memory
 QUEUED_BATCHES = 16
+#: how many recent batch times a pool keeps to decide whether a batch may run on the loop
+RECENT_TIMES = 5
 
 
 class ExpertFailure(SwarmgradError):
@@ -75,6 +83,12 @@ class PoolStats:
     recent_batch_requests: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=RECENT_BATCHES)
     )
+    #: batches run on the event loop rather than the device thread (counted in ``batches``)
+    inline_batches: int = 0
+    #: seconds the last few batches took (wall time), newest last
+    recent_batch_seconds: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_TIMES)
+    )
 
 
 class TaskPool:
@@ -93,6 +107,9 @@ class TaskPool:
         min_batch_size: int = 1,
         timeout: float = 0.05,
         max_queued_samples: int | None = None,
+        *,
+        lock: threading.RLock | None = None,
+        may_run_inline: Callable[[], bool] | None = None,
     ):
         positive_int(f"pool {name}: max_batch_size", max_batch_size)
         if not isinstance(min_batch_size, int) or not 1 <= min_batch_size <= max_batch_size:
@@ -116,10 +133,13 @@ class TaskPool:
         self.min_batch_size = min_batch_size
         self.timeout = timeout
         self.stats = PoolStats()
+        self.lock = lock  # what the computation holds; the loop only ever try-acquires it
+        self.may_run_inline = may_run_inline
         # guarded by the runtime's lock
         self.tasks: collections.deque[Task] = collections.deque()
         self.queued_samples = 0
         self.runtime: Runtime | None = None
+        self.inline_pending = False  # a run on the loop is scheduled for this pool
 
     def __repr__(self) -> str:
         return f"TaskPool({self.name!r}, pending={len(self.tasks)})"
@@ -189,8 +209,17 @@ class TaskPool:
         self.queued_samples = 0
         return tasks
 
-    def record(self, batch_size: int, num_requests: int, seconds: float, failed: bool) -> None:
+    def record(
+        self,
+        batch_size: int,
+        num_requests: int,
+        seconds: float,
+        failed: bool,
+        inline: bool = False,
+    ) -> None:
         stats = self.stats
+        stats.recent_batch_seconds.append(seconds)
+        stats.inline_batches += inline
         stats.batches += 1
         stats.samples += batch_size
         stats.requests += num_requests
