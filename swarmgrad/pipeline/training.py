@@ -308,8 +308,9 @@ class StageAverager:
 
     @torch.no_grad()
     def _accumulate(self, batch_size: int) -> None:
-        """The backend's gradient sink: on the runtime's thread, under the backend's lock,
-        with the batch's ``sum(n_i * g_i)`` in the parameters' ``.grad``."""
+        """The backend's gradient sink: on the runtime's thread (or the server's event loop,
+        for a lone cheap batch of a CPU stage: moe/server/runtime.py), always under the
+        backend's lock, with the batch's ``sum(n_i * g_i)`` in the parameters' ``.grad``."""
         for accumulator, param in zip(self._accumulators, self._params, strict=True):
             if param.grad is not None:
                 accumulator.add_(param.grad)
