@@ -225,6 +225,25 @@ def test_a_borrowed_input_is_added_with_the_next_one_and_never_written(with_buff
     run(main())
 
 
+@pytest.mark.parametrize("own_weight", [1.0, 2.5])
+def test_a_borrowed_input_is_summed_into_a_reusable_next_input_without_a_new_buffer(own_weight):
+    async def main():
+        reducer = TensorPartReducer([(4, torch.float32)], num_senders=3)
+        own = torch.arange(4.0)
+        kept = own.clone()
+        reducer.accumulate_part(0, 0, own, own_weight, borrow=True)
+        received = torch.full((4,), 3.0)
+        reducer.accumulate_part(1, 0, received, 0.5, reuse=True)
+        reducer.accumulate_part(2, 0, torch.full((4,), -1.0), 1.0)
+        result = await reducer.wait_part(0)
+        expected = (own_weight * kept + 0.5 * 3.0 - 1.0) / (own_weight + 1.5)
+        assert torch.allclose(result, expected)
+        assert result.data_ptr() == received.data_ptr()  # the received buffer held the sum
+        assert torch.equal(own, kept)  # the borrowed input was only read
+
+    run(main())
+
+
 def test_a_part_is_either_reused_or_borrowed_not_both():
     async def main():
         reducer = TensorPartReducer([(2, torch.float32)], num_senders=1)

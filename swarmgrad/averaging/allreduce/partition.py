@@ -415,7 +415,7 @@ class TensorPartReducer(PartReducer):
         acc_dtype = _accumulator_dtype(self.part_specs[part_index][1])
         if weight > 0:
             if state.lent is not None:  # the borrowed first input and this one, one pass
-                self._fold_lent(state, part, weight)
+                self._fold_lent(state, part, weight, reuse and part.dtype == acc_dtype)
             elif not state.started:
                 if borrow and part.dtype == acc_dtype:
                     state.lent, state.lent_weight = part, weight
@@ -440,14 +440,20 @@ class TensorPartReducer(PartReducer):
             state.plain_count += 1
 
     @staticmethod
-    def _fold_lent(state: _PartState, part: torch.Tensor, weight: float) -> None:
-        """``acc = lent_weight * lent + weight * part``, reading the borrowed input once."""
+    def _fold_lent(state: _PartState, part: torch.Tensor, weight: float, reuse: bool) -> None:
+        """``acc = lent_weight * lent + weight * part``, reading the borrowed input once;
+        into ``part``'s own memory when it may be reused (a received buffer), so that no
+        new buffer of the part's size is made."""
         lent, state.lent = state.lent, None
+        if state.acc is None and reuse:
+            state.acc = part
         if state.lent_weight == 1.0:
             if state.acc is None:
                 state.acc = torch.add(lent, part, alpha=weight)
             else:
                 torch.add(lent, part, alpha=weight, out=state.acc)
+        elif state.acc is part:
+            part.mul_(weight).add_(lent, alpha=state.lent_weight)
         else:
             if state.acc is None:
                 state.acc = torch.mul(lent, state.lent_weight)
