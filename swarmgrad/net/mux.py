@@ -627,6 +627,10 @@ class Connection(asyncio.BufferedProtocol):
         if self._dead:
             return
         self._dead = True
+        # the reason is kept (``closed``, every stream's error): without its traceback,
+        # whose frames (e.g. buffer_updated's) hold this connection, a cycle that kept the
+        # connection and its buffers alive until a full pass of the cyclic collector
+        exc.__traceback__ = None
         if not self.handshake_done.done():
             self.handshake_done.set_exception(exc)
             self.handshake_done.exception()  # mark retrieved: the owner may have given up
