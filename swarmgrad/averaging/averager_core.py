@@ -350,6 +350,8 @@ class AsyncDecentralizedAverager:
             raise
         finally:
             self._steps.discard(task)
+            control._unbind()
+            del task  # (this frame is in the traceback the task keeps if it failed)
         if result is None:
             self.rounds_failed += 1
         else:

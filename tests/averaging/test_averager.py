@@ -619,6 +619,19 @@ def test_a_finished_steps_control_is_freed_without_the_cyclic_collector(dhts):
         while any(ref() is not None for ref in gone) and time.monotonic() < deadline:
             time.sleep(0.01)  # the step's task lets go of it as it ends, on the loop
         assert all(ref() is None for ref in gone), "a finished control lived on in a cycle"
+
+        lonely = averagers[0].step(wait=False, timeout=60)  # cancelled while it looks
+        deadline = time.monotonic() + 30
+        while lonely.stage is not AveragingStage.LOOKING_FOR_GROUP:
+            assert time.monotonic() < deadline, lonely.stage
+            time.sleep(0.01)
+        assert lonely.cancel()
+        gone = weakref.ref(lonely)
+        del lonely
+        deadline = time.monotonic() + 10
+        while gone() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # its task ends on the loop, raising CancelledError
+        assert gone() is None, "a cancelled control lived on in a cycle"
     finally:
         gc.enable()
         for averager in averagers:
