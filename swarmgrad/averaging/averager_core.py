@@ -350,6 +350,8 @@ class AsyncDecentralizedAverager:
             raise
         finally:
             self._steps.discard(task)
+            control._unbind()
+            del task  # (this frame is in the traceback the task keeps if it failed)
         if result is None:
             self.rounds_failed += 1
         else:
@@ -417,16 +419,9 @@ class AsyncDecentralizedAverager:
             gather=gather,
             aggregate_tag=self.aggregate_tag,
         )
-        loop = asyncio.get_running_loop()
-
-        def apply(size: int | None) -> None:  # on the loop, if still this search's
-            if control._expected_size_hook is hook:
-                self.matchmaking.set_expected_size(size)
-
-        def hook(size: int | None) -> None:
-            loop.call_soon_threadsafe(apply, size)
-
-        control._expected_size_hook = hook
+        control._expected_size_hook = _ExpectedSizeHook(
+            asyncio.get_running_loop(), control, self.matchmaking
+        )
         try:
             group = await self.matchmaking.look_for_group(
                 data_for_gather=data,
@@ -599,3 +594,24 @@ def _summary(result: AllReduceResult) -> str:
     if result.deadline_exceeded:
         parts.append("deadline exceeded")
     return "; ".join(parts)
+
+
+class _ExpectedSizeHook:
+    """Passes a new expected group size from the caller's thread to this search's
+    matchmaking, on the loop, while the search is the control's current one.
+
+    An object, not two closures that name each other: those made a reference cycle that
+    kept the control, its result and the round's tensors alive until the cyclic
+    collector's next full pass (issue 32)."""
+
+    __slots__ = ("_control", "_loop", "_matchmaking")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, control: StepControl, matchmaking: Any):
+        self._loop, self._control, self._matchmaking = loop, control, matchmaking
+
+    def __call__(self, size: int | None) -> None:
+        self._loop.call_soon_threadsafe(self._apply, size)
+
+    def _apply(self, size: int | None) -> None:  # on the loop, if still this search's
+        if self._control._expected_size_hook is self:
+            self._matchmaking.set_expected_size(size)

@@ -257,6 +257,13 @@ class StepControl(concurrent.futures.Future):
         if self.cancelled():  # cancelled before the step started
             task.cancel()
 
+    def _unbind(self) -> None:
+        """Called on the loop by the step as it ends: the task's stored exception (its
+        traceback's frames hold this control) and this control must not hold each other,
+        a cycle that only the collector's rare full pass frees (issue 32)."""
+        with self._state_lock:
+            self._task = None
+
     async def _wait_for_trigger(self) -> None:
         assert self._trigger is not None, "the control is not bound to a running step"
         await self._trigger.wait()

@@ -39,6 +39,7 @@ joining, knowing peers, maintenance). The rules for records are pure functions i
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
@@ -65,6 +66,7 @@ from swarmgrad.utils.timeutils import get_dht_time
 
 _RERANK_INTERVAL = 1.0  # seconds: see DHTNode._add_node
 _MAX_TRACKED_PEERS = 65536
+_LOOKUP_HOPS_KEPT = 100_000
 
 
 class DHTNode(DHTServicer):
@@ -149,7 +151,9 @@ class DHTNode(DHTServicer):
         self._handoff_queue: set[PeerID] = set()
         self._bootstrap_failures: dict[PeerID, BaseException] | None = None
         self._closed = False
-        self.lookup_hops: list[int] = []  # statistics for benchmarks and tests
+        # statistics for benchmarks and tests: the hops of the latest lookups (bounded: a
+        # peer that runs for days looks up several keys a second)
+        self.lookup_hops: collections.deque[int] = collections.deque(maxlen=_LOOKUP_HOPS_KEPT)
         # refresh targets: drawn per node (seeded by its id), so a seeded simulation repeats
         self._rng = random.Random(self.node_id)
 

@@ -10,6 +10,7 @@ the state and the life cycle; this one only the outgoing side of the protocol.
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import logging
 from collections.abc import Callable
@@ -82,7 +83,7 @@ class DHTTraversal:
     wait_timeout: float
     clock_skew_warning: float
     time_fn: Callable[[], float]
-    lookup_hops: list[int]
+    lookup_hops: collections.deque[int]
     _loop: asyncio.AbstractEventLoop
     _closed: bool
     _pending_finds: dict[PeerID, list[tuple]]

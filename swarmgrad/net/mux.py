@@ -216,6 +216,9 @@ class Connection(asyncio.BufferedProtocol):
         else:
             reason = ConnectionClosed(f"connection to {self._peer_name()} lost: {exc!r}")
         self._teardown(reason)
+        # the transport is gone for good: let go of it (a TLS layer refers back to us, a
+        # cycle that kept both, and its megabytes of buffers, until a full collection)
+        self.transport = self.carrier = None
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -286,6 +289,7 @@ class Connection(asyncio.BufferedProtocol):
         transport = self.transport or self.carrier
         if transport is not None:
             transport.abort()
+        self.carrier = None  # told to abort; it refers back to us (see connection_lost)
 
     # ------------------------------------------------------------------ sending
 
@@ -627,6 +631,10 @@ class Connection(asyncio.BufferedProtocol):
         if self._dead:
             return
         self._dead = True
+        # the reason is kept (``closed``, every stream's error): without its traceback,
+        # whose frames (e.g. buffer_updated's) hold this connection, a cycle that kept the
+        # connection and its buffers alive until a full pass of the cyclic collector
+        exc.__traceback__ = None
         if not self.handshake_done.done():
             self.handshake_done.set_exception(exc)
             self.handshake_done.exception()  # mark retrieved: the owner may have given up

@@ -346,7 +346,10 @@ class Peer:
             pending = asyncio.ensure_future(self._dial_any(addresses))
             self._dialing[key] = pending
             pending.add_done_callback(lambda _: self._dialing.pop(key, None))
-        return await asyncio.shield(pending)
+        try:
+            return await asyncio.shield(pending)
+        finally:  # a failed dial's error, kept by the task, has this frame in its traceback
+            del pending
 
     async def _dial_any(self, addresses: tuple[Multiaddr, ...]) -> Connection:
         errors: list[BaseException] = []
@@ -356,11 +359,17 @@ class Peer:
             except (OSError, SwarmgradError, TimeoutError) as e:
                 errors.append(e)
         if len(errors) == 1:
-            raise errors[0]
-        raise PeerUnreachable(
-            "could not reach any address: "
-            + "; ".join(f"{a}: {e}" for a, e in zip(addresses, errors, strict=True))
-        )
+            error = errors.pop()
+        else:
+            error = PeerUnreachable(
+                "could not reach any address: "
+                + "; ".join(f"{a}: {e}" for a, e in zip(addresses, errors, strict=True))
+            )
+            errors.clear()
+        try:
+            raise error
+        finally:  # this frame is in the error's traceback: it must not hold the error
+            del error
 
     async def _dial(self, address: Multiaddr) -> Connection:
         if self._closed:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -165,7 +166,28 @@ class Stream:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise self._failure()
+
+    def _failure(self) -> BaseException:
+        """The error this stream failed with, to raise: a copy of it each time.
+
+        One error object is shared by every stream of a dead connection and kept by each
+        (and by the connection's ``closed``). Raising that object itself gave it a
+        traceback whose frames hold the stream (``self``), which holds the error: a
+        reference cycle that kept the connection, its buffers (megabytes on a busy one)
+        and whatever the callers' frames held (a state snapshot's chunks) alive until the
+        cyclic collector's next full pass, which a process with torch's hundreds of
+        thousands of long-lived objects runs only now and then (issue 32)."""
+        error = self._error
+        assert error is not None
+        try:
+            fresh = copy.copy(error)
+        except Exception:  # an exception type that cannot be rebuilt from its args
+            return error
+        fresh.__traceback__ = None
+        fresh.__cause__, fresh.__context__ = error.__cause__, error.__context__
+        fresh.__suppress_context__ = error.__suppress_context__
+        return fresh
 
     def on_failure(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once if the stream is reset or its connection dies."""
@@ -239,7 +261,7 @@ class Stream:
         try:
             while self._target is not None:
                 if self._error is not None:
-                    raise self._error
+                    raise self._failure()
                 if self._recv_fin:
                     raise ConnectionClosed(
                         f"stream {self.stream_id} from {self.conn.remote_peer_id} ended after "
@@ -284,7 +306,7 @@ class Stream:
         try:
             while len(view):
                 if self._error is not None:
-                    raise self._error
+                    raise self._failure()
                 if self._send_fin:
                     raise ConnectionClosed(f"stream {self.stream_id} was closed for writing")
                 if self._send_credit <= 0:
@@ -297,7 +319,7 @@ class Stream:
                 if conn._write_paused or conn._dead:
                     await conn._wait_writable()
                     if self._error is not None:
-                        raise self._error
+                        raise self._failure()
                 n = min(len(view), self._send_credit, conn._remote_max_frame)
                 self._send_credit -= n
                 last = fin and n == len(view)

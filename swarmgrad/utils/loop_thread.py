@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -59,6 +60,13 @@ class _Call:
 
     The future stays PENDING until the coroutine finishes, so ``future.cancel()`` always
     works while the coroutine runs, and then cancels it on the loop.
+
+    The future's done callback holds the call weakly: a ``concurrent.futures.Future``
+    keeps its callbacks after running them, so a bound method there made a reference
+    cycle (call -> future -> callback -> call) that kept the task and the result (a
+    downloaded state, an averaging round's tensors) alive until the cyclic collector's
+    next full pass, which a process with torch's hundreds of thousands of long-lived
+    objects runs only now and then (issue 32: a keeper's memory grew with every round).
     """
 
     def __init__(self, runtime: _Runtime, coro_or_fn: CoroutineOrFunction):
@@ -67,7 +75,7 @@ class _Call:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.finished = threading.Event()
         self.task: asyncio.Task | None = None
-        self.future.add_done_callback(self._on_future_done)
+        self.future.add_done_callback(_FutureDone(self))
 
     @property
     def name(self) -> str:
@@ -128,6 +136,20 @@ class _Call:
         _discard(self.coro_or_fn)
         self.coro_or_fn = None
         self._finish()
+
+
+class _FutureDone:
+    """A :class:`_Call`'s future's done callback, holding the call weakly (see there)."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: _Call):
+        self.call = weakref.ref(call)
+
+    def __call__(self, future: concurrent.futures.Future) -> None:
+        call = self.call()
+        if call is not None:  # (gone: it had finished, nothing left to cancel)
+            call._on_future_done(future)
 
 
 class _Runtime:

@@ -5,10 +5,12 @@ modes, bad input, crashes) and through the synchronous facade over real loopback
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -595,6 +597,45 @@ def test_facade_averages_over_loopback_with_triggers_weights_and_cancel(dhts):
     assert not averagers[0].is_alive()
     with pytest.raises(ValidationError, match="not running"):
         averagers[0].step()
+
+
+def test_a_finished_steps_control_is_freed_without_the_cyclic_collector(dhts):
+    """(issue 32) Once the caller drops a finished step's control, nothing keeps it (nor
+    its result): the step's expected-size hook and the loop call's future made reference
+    cycles that lived until the collector's next full pass, rare in a process with
+    torch's many long-lived objects, and a keeper's memory grew with every round."""
+    averagers = [
+        facade(tensors_of(90 + i), dht, target_group_size=2)
+        for i, dht in enumerate(dhts[:2])
+    ]
+    gc.disable()
+    try:
+        controls = [a.step(gather=i, wait=False, timeout=60) for i, a in enumerate(averagers)]
+        results = [c.result(60) for c in controls]
+        assert all(r is not None and len(r) == 2 for r in results)
+        gone = [weakref.ref(c) for c in controls]
+        del controls
+        deadline = time.monotonic() + 10
+        while any(ref() is not None for ref in gone) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the step's task lets go of it as it ends, on the loop
+        assert all(ref() is None for ref in gone), "a finished control lived on in a cycle"
+
+        lonely = averagers[0].step(wait=False, timeout=60)  # cancelled while it looks
+        deadline = time.monotonic() + 30
+        while lonely.stage is not AveragingStage.LOOKING_FOR_GROUP:
+            assert time.monotonic() < deadline, lonely.stage
+            time.sleep(0.01)
+        assert lonely.cancel()
+        gone = weakref.ref(lonely)
+        del lonely
+        deadline = time.monotonic() + 10
+        while gone() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # its task ends on the loop, raising CancelledError
+        assert gone() is None, "a cancelled control lived on in a cycle"
+    finally:
+        gc.enable()
+        for averager in averagers:
+            averager.shutdown()
 
 
 def test_holding_the_tensors_delays_the_round_but_never_the_event_loop(dhts):

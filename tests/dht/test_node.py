@@ -7,6 +7,7 @@ import asyncio
 import logging
 import random
 
+from swarmgrad.dht import node as node_module
 from swarmgrad.dht import protocol
 from swarmgrad.dht.node import DHTNode, serialize
 from swarmgrad.dht.routing import DHTID
@@ -61,6 +62,26 @@ def test_found_values_are_cached_locally_and_on_the_path():
         return cached_elsewhere
 
     assert run_simulation(main, latency=0.02) >= 1
+
+
+def test_lookup_statistics_keep_only_the_latest_lookups(monkeypatch):
+    """(issue 32) ``lookup_hops`` grew by one entry per lookup for the peer's lifetime."""
+    monkeypatch.setattr(node_module, "_LOOKUP_HOPS_KEPT", 3)
+
+    async def main(network):
+        nodes = await make_nodes(network, 5, random.Random(1))
+        now = nodes[0].time_fn()
+        reader = nodes[4]
+        for i in range(5):
+            assert await nodes[1].store(f"key{i}", i, now + 100)
+            reader.cache.clear()
+            assert (await reader.get(f"key{i}", latest=True)).value == i
+        hops = list(reader.lookup_hops)
+        await shutdown(nodes)
+        return hops
+
+    hops = run_simulation(main, latency=0.01)
+    assert len(hops) == 3 and all(h >= 1 for h in hops)
 
 
 def test_concurrent_gets_of_one_key_share_one_lookup():

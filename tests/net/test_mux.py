@@ -4,6 +4,8 @@ resets and malformed input, without sockets."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 
@@ -322,6 +324,57 @@ def test_closing_connection_fails_pending_reads(arun):
             await reader
         with pytest.raises(ConnectionClosed):
             await s.write(b"x")
+
+    arun(main)
+
+
+def test_a_stream_that_raised_its_connections_error_is_freed_without_the_cyclic_collector(arun):
+    """(issue 32) A dead connection's error is kept by each of its streams; raising that
+    object itself gave it a traceback whose frames hold the stream: a cycle that kept the
+    stream, its connection and its buffers until the collector's next full pass. Each
+    raise is a copy: same type and message, and the kept error stays without frames."""
+
+    async def main():
+        a, b, accepted, _ = await connected_pair()
+        stream = a.open_stream()
+        await settle()
+        a.close()
+        await settle()
+        raised = []
+        for _ in range(2):
+            try:
+                await stream.read()
+            except ConnectionClosed as e:
+                raised.append((type(e), str(e), e is stream._error))
+            try:
+                await stream.write(b"x")
+            except ConnectionClosed as e:
+                raised.append((type(e), str(e), e is stream._error))
+        kept = stream._error
+        assert raised == [(type(kept), str(kept), False)] * 4
+        assert kept.__traceback__ is None
+        gone = weakref.ref(stream)
+        del stream
+        assert gone() is None, "the stream outlived its last reference: a reference cycle"
+
+    gc.disable()
+    try:
+        arun(main)
+    finally:
+        gc.enable()
+
+
+def test_a_connection_dropped_for_a_protocol_violation_keeps_its_reason_without_frames(arun):
+    """(issue 32) The reason raised inside the receive path is kept in ``closed``: its
+    traceback's frames held the connection (a cycle, see above)."""
+
+    async def main():
+        a, b, _, ta = await connected_pair()
+        ta.write(framing.encode_header(FrameType.OPEN, 2, 0))  # a stream id of b's parity
+        await settle()
+        reason = await b.closed
+        assert isinstance(reason, ProtocolViolation), reason
+        assert reason.__traceback__ is None
 
     arun(main)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import ssl
 from collections.abc import AsyncIterator
@@ -234,6 +235,53 @@ def test_unreachable_address_and_unknown_peer_are_clear_errors(arun):
             await client.call(f"/ip4/127.0.0.1/tcp/{port}", "echo", 1)
         with pytest.raises(PeerUnreachable, match="no known address"):
             await client.call(Identity.generate().peer_id, "echo", 1)
+        await client.shutdown()
+
+    arun(main)
+
+
+def _left_for_the_cyclic_collector(*type_names: str) -> list[str]:
+    """The objects of these types that only the cyclic collector would free now."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        return sorted(type(o).__name__ for o in gc.garbage if type(o).__name__ in type_names)
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+
+
+def test_a_failed_dial_and_a_closed_connection_leave_nothing_for_the_cyclic_collector(arun):
+    """(issue 32) A connection (TLS layer, buffers) must go when the last reference does:
+    in reference cycles (an error kept by a frame of its own traceback, a TLS layer and
+    its connection referring to each other) they waited for the collector's full pass,
+    rare in a process with torch's many long-lived objects."""
+    kinds = ("Connection", "TLSLayer", "PeerUnreachable")
+
+    async def main():
+        server, client, addr = await two_peers()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        gc.collect()
+        try:  # (not pytest.raises: its record of the error would keep what we look for)
+            await client.call(f"/ip4/127.0.0.1/tcp/{port}/p2p/{server.peer_id}", "echo", 1)
+        except PeerUnreachable:
+            pass
+        else:
+            pytest.fail("a call to a closed port succeeded")
+        await asyncio.sleep(0.1)  # the failed dial's callbacks run
+        assert _left_for_the_cyclic_collector(*kinds) == [], "after a failed dial"
+
+        assert await client.call(addr, "echo", Blob(bytes(1_000_000))) == bytes(1_000_000)
+        await server.shutdown()
+        for _ in range(500):
+            if not client._all_connections:
+                break
+            await asyncio.sleep(0.01)
+        assert not client._all_connections
+        await asyncio.sleep(0.1)
+        assert _left_for_the_cyclic_collector(*kinds) == [], "after the server left"
         await client.shutdown()
 
     arun(main)

@@ -1,11 +1,13 @@
 import asyncio
 import concurrent.futures
+import gc
 import io
 import logging
 import os
 import signal
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -322,3 +324,30 @@ def test_log_handler_is_installed_once_and_prints_readable_lines():
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
         root.propagate = saved[2]
+
+
+class _Result:
+    """A coroutine's result that can be watched with a weak reference."""
+
+
+def test_a_finished_calls_result_is_freed_without_the_cyclic_collector():
+    """(issue 32) Once the caller drops the future, nothing of the call keeps its result:
+    a reference cycle through the future's done callback kept it (a downloaded state, a
+    round's tensors) until the collector's next full pass, rare in a process with torch's
+    many long-lived objects."""
+
+    async def make() -> _Result:
+        return _Result()
+
+    gc.disable()
+    try:
+        for submit in (run_coroutine_future, lambda coro: run_coroutine_future(lambda: coro)):
+            future = submit(make())
+            result = weakref.ref(future.result(timeout=10))
+            del future
+            deadline = time.monotonic() + 10
+            while result() is not None and time.monotonic() < deadline:
+                time.sleep(0.01)  # the call leaves the runtime's set just after resolving
+            assert result() is None, "the result outlived its future: a reference cycle"
+    finally:
+        gc.enable()
