@@ -60,6 +60,10 @@ __all__ = ["LRSchedulerBase", "TrainingStateAverager"]
 
 logger = logging.getLogger(__name__)
 
+#: how long a served state waits for a delayed optimizer step of its epoch (see
+#: TrainingStateAverager.get_current_state); that step waits for its gradient round
+SERVED_STATE_WAIT = 10.0
+
 _GROUP_POLL_SECONDS = 0.05  # how often a bounded state round looks whether it has a group
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -155,6 +159,10 @@ class TrainingStateAverager(DecentralizedAverager):
         )
         self._pending: concurrent.futures.Future | None = None
         self._pending_lock = threading.Lock()
+        # cleared while a delayed optimizer step of an epoch already counted is to come:
+        # a state served meanwhile would carry the new epoch without that epoch's update
+        self._update_applied = threading.Event()
+        self._update_applied.set()
         self._round_control: StepControl | None = None  # the background round's, if any
         self.finished_optimizer_step = threading.Event()
         self.finished_averaging_round = threading.Event()
@@ -273,7 +281,12 @@ class TrainingStateAverager(DecentralizedAverager):
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
         """What joiners download: the epoch, the parameters, the optimizer state and the
-        extra tensors (copies, taken under the state lock)."""
+        extra tensors (copies, taken under the state lock). With a delayed optimizer step
+        still to come for the epoch just counted, it waits for that step first (at most
+        ``SERVED_STATE_WAIT`` seconds): two peers that served each other such states at
+        start-up passed around a state no optimizer step ever reached, labelled epoch 3."""
+        if not self._on_executor_thread() and not self._update_applied.wait(SERVED_STATE_WAIT):
+            logger.debug("serving a state whose delayed optimizer step has not come yet")
         with self._state_lock:
             opt_metadata, opt_tensors = dump_optimizer_state(self.optimizer)
             metadata = {
@@ -430,12 +443,15 @@ class TrainingStateAverager(DecentralizedAverager):
         delay_update = delay_optimizer_step and (optimizer_step or wait_for_trigger is not None)
 
         def update() -> None:
-            if wait_for_trigger is not None:
-                wait_for_trigger()
-            if optimizer_step:
-                self._optimizer_step(grad_scaler)
-            if zero_grad:
-                self.optimizer.zero_grad(set_to_none=not self.custom_gradients)
+            try:
+                if wait_for_trigger is not None:
+                    wait_for_trigger()
+                if optimizer_step:
+                    self._optimizer_step(grad_scaler)
+                if zero_grad:
+                    self.optimizer.zero_grad(set_to_none=not self.custom_gradients)
+            finally:
+                self._update_applied.set()
 
         def average() -> Callable[[], None] | None:
             self.delay_before_averaging.update(task_size=1, interval=get_dht_time() - started)
@@ -469,6 +485,8 @@ class TrainingStateAverager(DecentralizedAverager):
 
             return apply
 
+        if delay_update and increment_epoch:
+            self._update_applied.clear()
         with self._pending_lock:
             self._pending = self._executor.submit(work)
 
@@ -570,6 +588,9 @@ class TrainingStateAverager(DecentralizedAverager):
         pending = self._pending
         return pending is not None and not pending.done()
 
+    def _on_executor_thread(self) -> bool:
+        return threading.current_thread().name.startswith("swarmgrad-state-averager")
+
     def _wait_for_pending(self) -> None:
         pending = self._pending
         if pending is not None:
@@ -605,6 +626,7 @@ class TrainingStateAverager(DecentralizedAverager):
             with contextlib.suppress(Exception):
                 pending.result(self.shutdown_timeout)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._update_applied.set()  # a cancelled update never comes: nobody waits for it
         super().shutdown()
 
 
