@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 #: how long a served state waits for a delayed optimizer step of its epoch (see
 #: TrainingStateAverager.get_current_state); that step waits for its gradient round
 SERVED_STATE_WAIT = 10.0
+_EXECUTOR_THREAD_PREFIX = "swarmgrad-state-averager"  # the background work's one thread
 
 _GROUP_POLL_SECONDS = 0.05  # how often a bounded state round looks whether it has a group
 
@@ -155,7 +156,7 @@ class TrainingStateAverager(DecentralizedAverager):
         averaged = [t.detach().to("cpu", copy=True).contiguous() for t in self._local_tensors]
 
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="swarmgrad-state-averager"
+            max_workers=1, thread_name_prefix=_EXECUTOR_THREAD_PREFIX
         )
         self._pending: concurrent.futures.Future | None = None
         self._pending_lock = threading.Lock()
@@ -589,7 +590,7 @@ class TrainingStateAverager(DecentralizedAverager):
         return pending is not None and not pending.done()
 
     def _on_executor_thread(self) -> bool:
-        return threading.current_thread().name.startswith("swarmgrad-state-averager")
+        return threading.current_thread().name.startswith(_EXECUTOR_THREAD_PREFIX)
 
     def _wait_for_pending(self) -> None:
         pending = self._pending
