@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 RAW_PROTOCOL_PREFIX = b"\x00raw:"  # stream headers of non-RPC protocols (e.g. relays)
 RENEW_TOKEN = "admission.renew"  # a peer presents its renewed token on a live connection
 MAX_ADDRESSES_PER_PEER = 16
+# Peers whose addresses we keep. A long-lived peer hears of many others (DHT answers,
+# averaging groups, expert records), most never again: the book keeps the most recently
+# heard-of and never forgets a peer it is connected to.
+MAX_KNOWN_PEERS = 10_000
 _S = TypeVar("_S", bound=rpc.ServicerBase)
 
 
@@ -277,15 +281,25 @@ class Peer:
         """Remember where ``peer_id`` can be dialed. At most MAX_ADDRESSES_PER_PEER are
         kept, the most recently added: a peer that announces a new address on every
         message cannot grow our address book without bound."""
-        known = self._addresses.get(peer_id, ())
+        known = self._addresses.pop(peer_id, ())
         added = list(known)
         for maddr in maddrs:
             address = Multiaddr.parse(maddr)
             if address not in added:
                 added.append(address)
+        # re-inserted either way: the book's order is "least recently heard of" first
+        self._addresses[peer_id] = tuple(added[-MAX_ADDRESSES_PER_PEER:])
         if len(added) != len(known):
-            self._addresses[peer_id] = tuple(added[-MAX_ADDRESSES_PER_PEER:])
             self.address_book_version += 1
+            if not known and len(self._addresses) > MAX_KNOWN_PEERS:
+                self._forget_least_recent_address()
+
+    def _forget_least_recent_address(self) -> None:
+        """Drop the addresses of the peer heard of longest ago that is not connected."""
+        for stale in self._addresses:
+            if not self.is_connected(stale):
+                del self._addresses[stale]
+                return
 
     def addresses_of(self, peer_id: PeerID) -> tuple[Multiaddr, ...]:
         """The addresses known for ``peer_id`` (the same tuple until they change)."""

@@ -605,8 +605,7 @@ def test_a_finished_steps_control_is_freed_without_the_cyclic_collector(dhts):
     cycles that lived until the collector's next full pass, rare in a process with
     torch's many long-lived objects, and a keeper's memory grew with every round."""
     averagers = [
-        facade(tensors_of(90 + i), dht, target_group_size=2)
-        for i, dht in enumerate(dhts[:2])
+        facade(tensors_of(90 + i), dht, target_group_size=2) for i, dht in enumerate(dhts[:2])
     ]
     gc.disable()
     try:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from swarmgrad.net import peer as peer_module
 from swarmgrad.net.identity import Identity
 from swarmgrad.net.multiaddr import Multiaddr
 from swarmgrad.net.peer import Peer
@@ -236,6 +237,31 @@ def test_unreachable_address_and_unknown_peer_are_clear_errors(arun):
         with pytest.raises(PeerUnreachable, match="no known address"):
             await client.call(Identity.generate().peer_id, "echo", 1)
         await client.shutdown()
+
+    arun(main)
+
+
+def test_the_address_book_keeps_the_most_recently_heard_of_peers_and_every_connected_one(
+    arun, monkeypatch
+):
+    monkeypatch.setattr(peer_module, "MAX_KNOWN_PEERS", 4)
+
+    async def main():
+        server, client, addr = await two_peers()
+        assert await client.call(addr, "echo", 1) == 1  # connected: heard of first
+        strangers = [Identity.generate().peer_id for _ in range(5)]
+        for port, stranger in enumerate(strangers, start=1):
+            client.add_addresses(stranger, [f"/ip4/10.0.0.1/tcp/{port}"])
+            if stranger == strangers[2]:  # the first stranger is heard of again
+                client.add_addresses(strangers[0], [f"/ip4/10.0.0.1/tcp/{port}"])
+        kept = [p for p in [server.peer_id, *strangers] if client.addresses_of(p)]
+        assert kept == [server.peer_id, strangers[0], *strangers[3:]]
+        assert client.addresses_of(strangers[0]) == (
+            Multiaddr.parse("/ip4/10.0.0.1/tcp/1"),
+            Multiaddr.parse("/ip4/10.0.0.1/tcp/3"),
+        )
+        assert await client.call(server.peer_id, "echo", 2) == 2  # dialable by id
+        await shutdown(client, server)
 
     arun(main)
 

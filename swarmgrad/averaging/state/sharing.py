@@ -38,9 +38,8 @@ import contextlib
 import inspect
 import logging
 import os
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,7 +104,6 @@ class SharingStats:
     chunks_served: int = 0
     bytes_served: int = 0
     snapshots_taken: int = 0
-    chunks_by_peer: Counter = field(default_factory=Counter)
 
 
 class StateSharing(ServicerBase):
@@ -430,7 +428,6 @@ class StateSharing(ServicerBase):
         session.chunks_served += 1
         self.stats.chunks_served += 1
         self.stats.bytes_served += sum(len(p) for p in parts)
-        self.stats.chunks_by_peer[context.remote_id] += 1
         return ChunkParts([Blob(p) for p in parts]).encode()
 
     def _chunk_parts(self, snapshot: StateSnapshot, index: int) -> list[Any]:
