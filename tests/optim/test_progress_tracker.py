@@ -139,6 +139,45 @@ def test_a_failed_read_is_retried_after_the_default_refresh_period(monkeypatch):
             tracker.shutdown(timeout=5)
 
 
+def test_a_read_that_fails_or_misses_our_record_does_not_make_the_peer_alone(monkeypatch):
+    """A peer whose links went down must not take its failed reads for an empty swarm:
+    a lone peer skips the rounds and races through epochs on its own gradients. The last
+    whole read stays counted (updated by partial reads) for twice metadata_expiration."""
+    with dht_swarm(2) as dhts:
+        trackers = [ProgressTracker(d, RUN, target_batch_size=100, start=True) for d in dhts]
+        tracker, node = trackers[0], dhts[0].node
+        try:
+            trackers[0].report_local_progress(0, 30)
+            trackers[1].report_local_progress(0, 50)
+            wait_until(
+                lambda: tracker.refresh(timeout=5).samples_accumulated == 80, 20, "both records"
+            )
+
+            async def unreachable(*args, **kwargs):
+                raise ConnectionError("no route to the DHT's replicas")
+
+            async def nothing_found(*args, **kwargs):
+                return None
+
+            for broken_get in (unreachable, nothing_found):
+                monkeypatch.setattr(node, "get", broken_get)
+                progress = tracker.refresh(timeout=5)
+                assert (progress.num_peers, progress.samples_accumulated) == (2, 80)
+                assert not tracker.others_left()
+
+            # cut off for longer than a record lives unrenewed: alone, as before
+            tracker._whole_read_at -= 2 * tracker.metadata_expiration + 1
+            progress = tracker.refresh(timeout=5)
+            assert (progress.num_peers, progress.samples_accumulated) == (1, 30)
+
+            monkeypatch.undo()  # a whole read again: the other peer is back in view
+            progress = tracker.refresh(timeout=5)
+            assert (progress.num_peers, progress.samples_accumulated) == (2, 80)
+        finally:
+            for each in trackers:
+                each.shutdown(timeout=5)
+
+
 def test_record_from_the_future_is_ignored():
     with dht_swarm(2) as dhts:
         tracker = ProgressTracker(dhts[0], RUN, target_batch_size=100, start=True)
