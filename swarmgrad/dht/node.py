@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import logging
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
@@ -63,6 +65,8 @@ from swarmgrad.utils.errors import (
     ValidationError,
 )
 from swarmgrad.utils.timeutils import get_dht_time
+
+logger = logging.getLogger(__name__)
 
 _RERANK_INTERVAL = 1.0  # seconds: see DHTNode._add_node
 _MAX_TRACKED_PEERS = 65536
@@ -150,6 +154,8 @@ class DHTNode(DHTServicer):
         self._background: list[asyncio.Task] = []
         self._handoff_queue: set[PeerID] = set()
         self._bootstrap_failures: dict[PeerID, BaseException] | None = None
+        self._initial_peers: list[str | Multiaddr] = []  # set by create(), to rejoin
+        self._next_rejoin = -math.inf
         self._closed = False
         # statistics for benchmarks and tests: the hops of the latest lookups (bounded: a
         # peer that runs for days looks up several keys a second)
@@ -191,6 +197,7 @@ class DHTNode(DHTServicer):
                 await peer.shutdown()
             raise
         node._owns_peer = owns_peer
+        node._initial_peers = list(initial_peers or ())
         node._register_handlers()
         try:
             await node._bootstrap(list(initial_peers or ()), bootstrap_timeout)
@@ -308,8 +315,33 @@ class DHTNode(DHTServicer):
             return
         if client or peer_id == self.peer_id:
             return
+        # it reached us: whatever failed before (our own links, most often) works now
+        self.blacklist.register_success(peer_id)
         self._learn_addresses(peer_id, maddrs)
         self._add_node(peer_id)
+
+    @property
+    def isolated(self) -> bool:
+        """Whether every node this one knows is forgotten or banned: its lookups reach
+        nobody, and what it reads is its own storage only. A node whose links went down
+        gets here, as every node it called failed (see :meth:`_rejoin_if_isolated`)."""
+        return not any(p not in self.blacklist for p in self.routing.peer_id_to_uid)
+
+    async def _rejoin_if_isolated(self) -> None:
+        """An isolated node joins again through its initial peers. Its failures were most
+        likely its own links', not the others': the bans go (a node banned after four
+        failures stays banned for 40 s), and the initial peers are dialed afresh, since
+        nothing else would make it call anyone again."""
+        if not self._initial_peers or not self.isolated:
+            return
+        now = self.time_fn()
+        if now < self._next_rejoin:
+            return
+        self._next_rejoin = now + self.wait_timeout
+        self.blacklist.clear()
+        with contextlib.suppress(PeerUnreachable):
+            await self._bootstrap(self._initial_peers, self.wait_timeout)
+            logger.info("%s: rejoined the DHT through its initial peers", self.peer_id)
 
     def _learn_addresses(self, peer_id: PeerID, texts: Sequence[str]) -> bool:
         """Add the well-formed addresses to the peer's address book; True if any was.
@@ -394,6 +426,7 @@ class DHTNode(DHTServicer):
         while True:
             await asyncio.sleep(tick)
             self._sender = None
+            await self._rejoin_if_isolated()
             if self._handoff_queue:
                 newcomers, self._handoff_queue = self._handoff_queue, set()
                 await self._hand_off(newcomers)

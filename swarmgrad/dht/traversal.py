@@ -47,6 +47,10 @@ class Blacklist:
         ban = self.base_time * self.backoff_rate ** (failures - 1)
         self._banned_until[peer_id] = self.time_fn() + min(ban, 3600.0)
 
+    def clear(self) -> None:
+        self._failures.clear()
+        self._banned_until.clear()
+
     def register_success(self, peer_id: PeerID) -> None:
         self._failures.pop(peer_id, None)
         self._banned_until.pop(peer_id, None)

@@ -359,11 +359,19 @@ class Peer:
         if pending is None:
             pending = asyncio.ensure_future(self._dial_any(addresses))
             self._dialing[key] = pending
-            pending.add_done_callback(lambda _: self._dialing.pop(key, None))
+            pending.add_done_callback(functools.partial(self._dial_done, key))
         try:
             return await asyncio.shield(pending)
         finally:  # a failed dial's error, kept by the task, has this frame in its traceback
             del pending
+
+    def _dial_done(self, key: Any, dial: asyncio.Future[Connection]) -> None:
+        """A coalesced dial ended. Its error is marked as seen: every caller may have
+        given up waiting (their own timeouts), and asyncio would report it as never
+        retrieved; each caller that still waits gets it all the same."""
+        self._dialing.pop(key, None)
+        if not dial.cancelled():
+            dial.exception()
 
     async def _dial_any(self, addresses: tuple[Multiaddr, ...]) -> Connection:
         errors: list[BaseException] = []

@@ -544,7 +544,7 @@ class ProgressTracker:
             found, failed = None, True
         records = _parse_records(found)
         with self._lock:
-            self._last_records = self._view_after_read(records, failed)
+            self._last_records = self._view_after_read(records, failed or node.isolated)
             self._last_read_failed = failed
             if self._paused:
                 # the optimizer is moving between epochs: read again right after it
@@ -567,21 +567,21 @@ class ProgressTracker:
         )
 
     def _view_after_read(
-        self, records: dict[bytes, LocalTrainingProgress], failed: bool
+        self, records: dict[bytes, LocalTrainingProgress], partial: bool
     ) -> dict[bytes, LocalTrainingProgress]:
         """The records to count after a read (hold the lock).
 
-        A read that failed, or that missed our own record (it did not reach the
-        replicas), says nothing about who left: the peer whose links went down is
-        usually the one cut off, not the swarm. Taking such a read as the swarm made a
-        peer whose links were down for 20 s count itself alone when they came back, and
-        a lone peer skips the rounds: it ran 27 epochs in 7 s on its own gradients, and
-        the swarm then took its state (benchmarks/chaos.py). So the records of the last
-        whole read stay counted, updated by whatever the partial read found, for up to
-        twice ``metadata_expiration`` (the life of a record that is not renewed); a peer
-        cut off for longer counts itself alone, as before."""
+        A read that failed, that missed our own record (it did not reach the replicas),
+        or that our isolated DHT node answered from its own storage, says nothing about
+        who left: the peer whose links went down is usually the one cut off, not the
+        swarm. Taking such a read as the swarm made a peer whose links came back after
+        20 s count itself alone, and a lone peer skips the rounds: it ran 27 epochs in
+        7 s on its own gradients, and the swarm then took its state (benchmarks/chaos.py).
+        So the records of the last whole read stay counted, updated by whatever the
+        partial read found, for up to twice ``metadata_expiration`` (the life of a record
+        that is not renewed); a peer cut off for longer counts itself alone, as before."""
         now = get_dht_time()
-        if not failed and self._local_public_key in records:
+        if not partial and self._local_public_key in records:
             self._whole_read_at = now
             return records
         if now - self._whole_read_at <= 2 * self.metadata_expiration:

@@ -204,6 +204,40 @@ def test_failing_nodes_are_blacklisted_with_backoff():
     assert second > first * 1.5
 
 
+def test_a_node_cut_off_from_everyone_is_isolated_and_rejoins_when_its_links_return():
+    """Every call of a node whose links are down fails, so it forgets or bans every node
+    it knows and would call nobody again; the others ban it too. Once its links are back
+    it rejoins through its initial peers, and a node it reaches lifts its own ban on it."""
+
+    async def main(network):
+        nodes = await make_nodes(network, 5, random.Random(6), wait_timeout=1.0)
+        lonely, others = nodes[4], nodes[:4]
+        hosts = [n.peer._backend.host for n in others]
+        assert not lonely.isolated
+        now = lonely.time_fn()
+        assert await others[1].store("key", "before", now + 600)
+        network.partition([lonely.peer._backend.host], hosts)
+        # every node it calls fails (a lookup, then the pings of its maintenance)
+        await lonely.get("key", latest=True)
+        assert not any([await lonely.ping(n.peer_id) for n in others])
+        assert await others[0].ping(lonely.peer_id) is False
+        isolated_while_cut = lonely.isolated
+        assert lonely.peer_id in others[0].blacklist
+        network.heal()
+        await asyncio.sleep(15)  # a dial begun while cut off times out (10 s), then one more
+        rejoined = not lonely.isolated
+        assert await others[2].store("key", "after", lonely.time_fn() + 600)
+        found_after = await lonely.get("key", latest=True)
+        await shutdown(nodes)
+        still_banned = lonely.peer_id in others[0].blacklist
+        return isolated_while_cut, rejoined, found_after.value, still_banned
+
+    isolated_while_cut, rejoined, value, still_banned = run_simulation(main, latency=0.02)
+    assert isolated_while_cut and rejoined
+    assert value == "after"
+    assert not still_banned
+
+
 def test_client_mode_nodes_store_nothing_for_others_and_stay_out_of_routing():
     async def main(network):
         rng = random.Random(5)

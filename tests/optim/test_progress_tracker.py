@@ -139,6 +139,17 @@ def test_a_failed_read_is_retried_after_the_default_refresh_period(monkeypatch):
             tracker.shutdown(timeout=5)
 
 
+def own_record_only(get, tracker):
+    """A node.get that drops every record but the tracker's own from what it finds."""
+
+    async def get_own(*args, **kwargs):
+        found = await get(*args, **kwargs)
+        own = tracker._local_public_key
+        return found._replace(value={k: v for k, v in found.value.items() if k == own})
+
+    return get_own
+
+
 def test_a_read_that_fails_or_misses_our_record_does_not_make_the_peer_alone(monkeypatch):
     """A peer whose links went down must not take its failed reads for an empty swarm:
     a lone peer skips the rounds and races through epochs on its own gradients. The last
@@ -164,6 +175,12 @@ def test_a_read_that_fails_or_misses_our_record_does_not_make_the_peer_alone(mon
                 progress = tracker.refresh(timeout=5)
                 assert (progress.num_peers, progress.samples_accumulated) == (2, 80)
                 assert not tracker.others_left()
+            monkeypatch.undo()
+            # an isolated node answers from its own storage, which here holds only ours
+            monkeypatch.setattr(type(node), "isolated", property(lambda _: True))
+            monkeypatch.setattr(node, "get", own_record_only(node.get, tracker))
+            progress = tracker.refresh(timeout=5)
+            assert (progress.num_peers, progress.samples_accumulated) == (2, 80)
 
             # cut off for longer than a record lives unrenewed: alone, as before
             tracker._whole_read_at -= 2 * tracker.metadata_expiration + 1
