@@ -172,7 +172,7 @@ class ProgressTracker:
         self._last_increment = 0  # samples of our last step: the grain of others' guesses
         self._distrusted: set[bytes] = set()
         self._last_records: dict[bytes, LocalTrainingProgress] = {}
-        self._whole_read_at = -math.inf  # DHT time of the last read that held our own record
+        self._whole_read_at = -math.inf  # DHT time of the last whole read (_view_after_read)
         # (epoch, DHT time this peer saw it begin): claims of samples are checked against it
         self._epoch_began = (0, get_dht_time())
         self._observing_since = get_dht_time()  # reset when the tracker starts
