@@ -238,6 +238,21 @@ def test_a_node_cut_off_from_everyone_is_isolated_and_rejoins_when_its_links_ret
     assert not still_banned
 
 
+def test_a_node_that_calls_us_is_no_longer_banned():
+    async def main(network):
+        nodes = await make_nodes(network, 3, random.Random(7), wait_timeout=1.0)
+        banning, caller = nodes[1], nodes[2]
+        for _ in range(4):  # banned for 40 s
+            banning.blacklist.register_failure(caller.peer_id)
+        banned_before = caller.peer_id in banning.blacklist
+        assert await caller.ping(banning.peer_id)
+        banned_after = caller.peer_id in banning.blacklist
+        await shutdown(nodes)
+        return banned_before, banned_after
+
+    assert run_simulation(main, latency=0.02) == (True, False)
+
+
 def test_client_mode_nodes_store_nothing_for_others_and_stay_out_of_routing():
     async def main(network):
         rng = random.Random(5)
