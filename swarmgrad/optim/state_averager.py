@@ -60,9 +60,6 @@ __all__ = ["LRSchedulerBase", "TrainingStateAverager"]
 
 logger = logging.getLogger(__name__)
 
-#: how long a served state waits for a delayed optimizer step of its epoch (see
-#: TrainingStateAverager.get_current_state); that step waits for its gradient round
-SERVED_STATE_WAIT = 10.0
 _EXECUTOR_THREAD_PREFIX = "swarmgrad-state-averager"  # the background work's one thread
 
 _GROUP_POLL_SECONDS = 0.05  # how often a bounded state round looks whether it has a group
@@ -161,7 +158,7 @@ class TrainingStateAverager(DecentralizedAverager):
         self._pending: concurrent.futures.Future | None = None
         self._pending_lock = threading.Lock()
         # cleared while a delayed optimizer step of an epoch already counted is to come:
-        # a state served meanwhile would carry the new epoch without that epoch's update
+        # a state served meanwhile holds the tensors of the epoch before (get_current_state)
         self._update_applied = threading.Event()
         self._update_applied.set()
         self._round_control: StepControl | None = None  # the background round's, if any
@@ -282,16 +279,22 @@ class TrainingStateAverager(DecentralizedAverager):
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
         """What joiners download: the epoch, the parameters, the optimizer state and the
-        extra tensors (copies, taken under the state lock). With a delayed optimizer step
-        still to come for the epoch just counted, it waits for that step first (at most
-        ``SERVED_STATE_WAIT`` seconds): two peers that served each other such states at
-        start-up passed around a state no optimizer step ever reached, labelled epoch 3."""
-        if not self._on_executor_thread() and not self._update_applied.wait(SERVED_STATE_WAIT):
-            logger.debug("serving a state whose delayed optimizer step has not come yet")
+        extra tensors (copies, taken under the state lock), served at once.
+
+        While the delayed optimizer step of the epoch just counted is still to come, the
+        tensors are those of the epoch before, and so is the label. Labelled with the
+        new epoch, two ALBERT trainers at start-up passed each other a state no optimizer
+        step had reached as "epoch 3". Waiting for the step instead stalled a joiner for
+        the whole averaging timeout: the step waited for a gradient round, and the round
+        for the joiner. The epoch is read before the flag and the flag is cleared before
+        the count (``step``), so a state is never labelled newer than its tensors."""
         with self._state_lock:
+            epoch = self.local_epoch
+            if not self._update_applied.is_set():
+                epoch -= 1
             opt_metadata, opt_tensors = dump_optimizer_state(self.optimizer)
             metadata = {
-                "epoch": self.local_epoch,
+                "epoch": epoch,
                 "group_bits": self.get_group_bits(),
                 "optimizer": opt_metadata,
                 "num_parameters": len(self.main_parameters),
@@ -435,13 +438,15 @@ class TrainingStateAverager(DecentralizedAverager):
         if optimizer_step and self.offload_optimizer and not self.custom_gradients:
             # now, not in the background: the next backward pass overwrites the model's .grad
             self._load_local_grads_into_optimizer()
+        delay_update = delay_optimizer_step and (optimizer_step or wait_for_trigger is not None)
         if increment_epoch:
+            if delay_update:  # before the count: see get_current_state
+                self._update_applied.clear()
             self.local_epoch += 1
             self._update_scheduler()
         if not (optimizer_step or zero_grad or averaging_round or wait_for_trigger):
             return
         started = get_dht_time()
-        delay_update = delay_optimizer_step and (optimizer_step or wait_for_trigger is not None)
 
         def update() -> None:
             try:
@@ -486,8 +491,6 @@ class TrainingStateAverager(DecentralizedAverager):
 
             return apply
 
-        if delay_update and increment_epoch:
-            self._update_applied.clear()
         with self._pending_lock:
             self._pending = self._executor.submit(work)
 
@@ -588,9 +591,6 @@ class TrainingStateAverager(DecentralizedAverager):
     def averaging_in_progress(self) -> bool:
         pending = self._pending
         return pending is not None and not pending.done()
-
-    def _on_executor_thread(self) -> bool:
-        return threading.current_thread().name.startswith(_EXECUTOR_THREAD_PREFIX)
 
     def _wait_for_pending(self) -> None:
         pending = self._pending

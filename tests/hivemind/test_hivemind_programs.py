@@ -34,6 +34,7 @@ PROGRAMS = ROOT / "tests" / "hivemind" / "programs"
 TARGET_EPOCH = 3
 STEP_LINE = re.compile(r"Step #(\d+)\tloss = ([0-9.naninf]+)")
 TRAINER_STEP = re.compile(r"\] Step #(\d+)$")
+INITIAL_PEERS_LINE = re.compile(r"--initial_peers (/ip4/\S+)")
 
 
 class Program:
@@ -159,12 +160,20 @@ def test_two_trainers_and_the_monitor_reach_global_epoch_3(tmp_path):
     )  # fmt: skip
     trainers: list[Program] = []
     try:
-        address = monitor.wait_for(re.compile(r"--initial_peers (/ip4/\S+)"), 90).group(1)
+        address = monitor.wait_for(INITIAL_PEERS_LINE, 90).group(1)
         assert address.endswith(f"/p2p/{monitor_peer_id}")
+        initial_peers = [address]
         for i in range(2):
+            if trainers:
+                # A trainer alone runs an epoch of this tiny ALBERT in about 0.1 s, so the
+                # monitor can reach epoch 3 and exit before the second trainer has
+                # imported torch (a loaded CI box once took 1.2 s). The second trainer
+                # joins through the first one too, as hivemind's users list several
+                # initial peers, so the monitor's exit cannot strand it.
+                initial_peers.append(trainers[0].wait_for(INITIAL_PEERS_LINE, 90).group(1))
             trainer_args = [
                 *common,
-                "--initial_peers", address,
+                "--initial_peers", *initial_peers,
                 *dataset,
                 "--output_dir", str(tmp_path / f"outputs{i}"),
                 "--seed", str(i),

@@ -149,12 +149,14 @@ def test_a_round_waits_through_the_callers_wait_which_may_give_it_up():
             averager.shutdown()
 
 
-def test_a_state_served_while_a_delayed_step_is_pending_includes_that_step():
+def test_a_state_served_while_a_delayed_step_is_pending_is_the_epoch_before():
     """The epoch is counted when the epoch ends, its optimizer step comes later in the
-    background (after the gradient round). A joiner asking for the state in between must
-    get the new epoch with its step applied, not the new epoch's label on the old tensors
-    (two ALBERT trainers once passed such a state back and forth at start-up: a monitor
-    saved "step 3" with no optimizer step in it)."""
+    background (after the gradient round). A joiner asking for the state in between gets
+    it at once, labelled with the epoch its tensors hold: the one before. Not the new
+    epoch's label on the old tensors (two ALBERT trainers once passed such a state back
+    and forth at start-up: a monitor saved "step 3" with no optimizer step in it), and
+    no wait for the step (the step waits for a gradient round that may wait for the
+    joiner: an ALBERT joiner once stalled for the whole averaging timeout)."""
     with dht_swarm(1) as (dht,):
         model = make_model(0)
         averager = make_state_averager(dht, model, offload_optimizer=True)
@@ -166,21 +168,22 @@ def test_a_state_served_while_a_delayed_step_is_pending_includes_that_step():
                 increment_epoch=True,
                 optimizer_step=True,
                 delay_optimizer_step=True,
-                wait_for_trigger=lambda: released.wait(10),  # the gradient round
+                wait_for_trigger=lambda: released.wait(30),  # the gradient round
             )
             assert averager.local_epoch == 1
-            served: list = []
-            reader = threading.Thread(target=lambda: served.append(averager.get_current_state()))
-            reader.start()
-            reader.join(0.5)
-            assert reader.is_alive(), "served the new epoch before its optimizer step"
+            began = time.monotonic()
+            metadata, tensors = averager.get_current_state()
+            assert time.monotonic() - began < 5, "the state waited for the delayed step"
+            assert metadata["epoch"] == 0
+            for got, want in zip(tensors[: len(before)], before, strict=True):
+                assert torch.equal(got, want)
+
             released.set()
-            reader.join(10)
-            metadata, tensors = served[0]
+            averager.step(wait_for_delayed_updates=True)  # the step has come
+            metadata, tensors = averager.get_current_state()
             assert metadata["epoch"] == 1
             params = tensors[: len(before)]
             assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
-            averager.step(wait_for_delayed_updates=True)  # applies the finished step
             for got, want in zip(snapshot(model), params, strict=True):
                 assert torch.equal(got, want)
         finally:
