@@ -237,7 +237,7 @@ class EpochMachinery:
     def wait_for_round(self, control: StepControl, epoch: int, what: str = "round") -> Any:
         """The round's result, within ``averaging_timeout``. A round still looking for
         its group once peers have moved past ``epoch``, or once every other peer has
-        left (:meth:`_others_left`), will never find one (rounds are tagged with the
+        left (:meth:`others_left`), will never find one (rounds are tagged with the
         epoch): it is cancelled and None returned, rather than waited for (a peer that
         pays that wait every epoch never catches up)."""
         return self._wait(control, epoch, what, moved_on_ends_it=True)
@@ -279,7 +279,7 @@ class EpochMachinery:
                         self.run_id, moved_on, epoch, what,
                     )  # fmt: skip
                     return None
-                if self._others_left():
+                if self.others_left():
                     control.cancel()
                     logger.log(
                         self.status_loglevel,
@@ -288,7 +288,7 @@ class EpochMachinery:
                     )  # fmt: skip
                     return None
 
-    def _others_left(self) -> bool:
+    def others_left(self) -> bool:
         """Every other peer left, by the last read, if that read can tell: a read that
         merges only some replicas (DiLoCo's ``read_quorum``) may miss a live peer's
         record, and giving up a round on an absence it cannot vouch for splits the

@@ -417,7 +417,8 @@ class TrainingStateAverager(DecentralizedAverager):
         gradients). Errors of background work are logged and the update skipped; the
         peer carries on with its state as it was. ``averaging_opts``: the round's
         ``timeout`` and ``gather``; ``search_timeout``: give the round up if it has no
-        group that long past its scheduled time; and ``wait``, a callable that waits for
+        group that long past its scheduled time; ``alone``, a callable true once every
+        other peer has left, which ends that search early; and ``wait``, a callable that waits for
         the round's control (instead of ``control.result(timeout)``; the Optimizer's
         gives the round up once every other peer has left)."""
         if delay_averaging is None:
@@ -541,10 +542,12 @@ class TrainingStateAverager(DecentralizedAverager):
             self._round_control = control
             control.allow_allreduce()
             search_timeout = options.get("search_timeout")
-            if search_timeout is not None and not _grouped_within(control, search_timeout):
+            alone = options.get("alone")
+            if search_timeout is not None and not _grouped_within(control, search_timeout, alone):
+                why = "every other peer left" if alone is not None and alone() else "no group"
                 logger.log(
                     self.status_loglevel,
-                    "state averaging found no group within %.1f s: skipped", search_timeout,
+                    "state averaging skipped: %s within %.1f s", why, search_timeout,
                 )  # fmt: skip
                 return None
             wait = options.get("wait")  # the optimizer's: gives up once the others left
@@ -631,20 +634,23 @@ class TrainingStateAverager(DecentralizedAverager):
         super().shutdown()
 
 
-def _grouped_within(control: StepControl, search_timeout: float) -> bool:
+def _grouped_within(
+    control: StepControl, search_timeout: float, alone: Callable[[], bool] | None = None
+) -> bool:
     """Wait until the released round ``control`` has a group (or ended), at most
     ``search_timeout`` seconds past its scheduled time; cancel it if it is still looking
     then (False). A state round is a correction, not a necessity: a peer whose partners
     are busy elsewhere (in their gradient round, say) must not block its own epoch for the
     whole averaging timeout, or two peers can settle into alternating rounds that never
-    meet."""
+    meet. ``alone``: True once every other peer has left; the search ends then (a
+    partner that said goodbye mid-search cost the last peer the whole search)."""
     deadline = time.monotonic() + max(0.0, control.scheduled_time - get_dht_time())
     deadline += search_timeout
     while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
         if control.done():
             return True
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 or (alone is not None and alone()):
             return not control.cancel_if_ungrouped()
         with contextlib.suppress(concurrent.futures.TimeoutError, TimeoutError):
             control.result(min(remaining, _GROUP_POLL_SECONDS))

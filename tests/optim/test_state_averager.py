@@ -100,7 +100,7 @@ def test_a_state_round_with_nobody_to_meet_gives_up_after_its_search_timeout(cap
             first.step(averaging_round=True, averaging_opts={"timeout": 30, "search_timeout": 1})
             took = time.monotonic() - started
             assert took < 10, f"a lone state round took {took:.1f} s with search_timeout=1"
-            assert "found no group within 1.0 s" in caplog.text
+            assert "skipped: no group within 1.0 s" in caplog.text
             for got, want in zip(snapshot(models[0]), before, strict=True):
                 assert torch.equal(got, want)
             assert first.state_version == 0
@@ -117,6 +117,36 @@ def test_a_state_round_with_nobody_to_meet_gives_up_after_its_search_timeout(cap
         finally:
             first.shutdown()
             second.shutdown()
+
+
+def test_a_state_round_whose_partners_all_left_stops_searching_at_once(caplog):
+    """``averaging_opts["alone"]`` (the Optimizer's: every other peer said goodbye or
+    expired) ends the search for a group before ``search_timeout``: the last peer of a
+    swarm no longer waits out the search for partners that are gone."""
+    with dht_swarm(1) as (dht,):
+        model = make_model(0)
+        before = snapshot(model)
+        averager = make_state_averager(dht, model, offload_optimizer=False)
+        asked = threading.Event()
+
+        def alone() -> bool:
+            asked.set()
+            return True
+
+        try:
+            caplog.set_level("DEBUG", logger="swarmgrad.optim.state_averager")
+            started = time.monotonic()
+            options = {"timeout": 30, "search_timeout": 20, "alone": alone}
+            averager.step(averaging_round=True, averaging_opts=options)
+            took = time.monotonic() - started
+            assert asked.is_set()
+            assert took < 5, f"a round with every partner gone searched {took:.1f} s"
+            assert "skipped: every other peer left" in caplog.text
+            for got, want in zip(snapshot(model), before, strict=True):
+                assert torch.equal(got, want)
+            assert averager.state_version == 0
+        finally:
+            averager.shutdown()
 
 
 def test_a_round_waits_through_the_callers_wait_which_may_give_it_up():
