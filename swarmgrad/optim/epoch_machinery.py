@@ -236,10 +236,12 @@ class EpochMachinery:
 
     def wait_for_round(self, control: StepControl, epoch: int, what: str = "round") -> Any:
         """The round's result, within ``averaging_timeout``. A round still looking for
-        its group once peers have moved past ``epoch``, or once every other peer has
-        left (:meth:`others_left`), will never find one (rounds are tagged with the
-        epoch): it is cancelled and None returned, rather than waited for (a peer that
-        pays that wait every epoch never catches up)."""
+        its group a matchmaking time after peers moved past ``epoch``, or once every
+        other peer has left (:meth:`others_left`), will never find one (rounds are
+        tagged with the epoch): it is cancelled and None returned, rather than waited
+        for (a peer that pays that wait every epoch never catches up). Not at once: with
+        ``delay_grad_averaging`` a peer enters the next epoch while its round for this
+        one still looks for its group in the background."""
         return self._wait(control, epoch, what, moved_on_ends_it=True)
 
     def wait_until_alone(self, control: StepControl, epoch: int, what: str = "round") -> Any:
@@ -270,7 +272,15 @@ class EpochMachinery:
                     # the epoch ends, every min_refresh_period) to learn who is left
                     self.tracker.request_fetch()
                     asked = True
-                moved_on = moved_on_ends_it and self.tracker.peers_ahead_of(epoch, refresh=False)
+                # a peer that moved past the epoch may still be looking for this round's
+                # group in the background (delay_grad_averaging): it counts as gone only
+                # once this round has looked for a matchmaking time without meeting it
+                looked = time.monotonic() - began > self.matchmaking_time
+                moved_on = (
+                    moved_on_ends_it
+                    and looked
+                    and self.tracker.peers_ahead_of(epoch, refresh=False)
+                )
                 if moved_on:
                     control.cancel()
                     logger.log(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -193,6 +194,28 @@ def test_a_round_looking_for_a_group_is_given_up_once_peers_moved_on_or_left():
         control = _looking()
         assert machinery.wait_for_round(control, 3) is None
         assert control.cancelled()
+
+
+def test_a_peer_ahead_may_still_join_the_round_within_a_matchmaking_time():
+    """With delay_grad_averaging a peer enters epoch 4 while its round for epoch 3 looks
+    for its group in the background: a round of epoch 3 that sees it ahead keeps looking
+    for a matchmaking time, and the group that forms meanwhile is averaged with. (An
+    ALBERT trainer gave its round up 0.3 s after its partner's began: both rounds failed
+    and the next epoch waited out a state round's search, 4.5 s.)"""
+    tracker = _WaitingTracker(peers_ahead=1)
+    machinery = _machinery(tracker, _StateAverager(3))
+    machinery.averaging_timeout, machinery.matchmaking_time = 5.0, 1.0
+    control = _looking()
+    timer = threading.Timer(0.6, control.set_result, args=({"peer": b"digest"},))
+    timer.start()
+    assert machinery.wait_for_round(control, 3) == {"peer": b"digest"}
+    assert not control.cancelled()
+
+    control = _looking()  # nobody comes: given up after the matchmaking time, well
+    began = time.monotonic()  # before the averaging timeout (which would raise)
+    assert machinery.wait_for_round(control, 3) is None
+    assert control.cancelled()
+    assert time.monotonic() - began >= 1.0
 
 
 def test_a_background_state_round_is_given_up_only_once_every_other_peer_left():
