@@ -670,9 +670,8 @@ class Optimizer(torch.optim.Optimizer):
         another round would otherwise hold this peer's next epoch back, until two peers
         alternate rounds for good: see ``TrainingStateAverager``'s ``search_timeout``),
         and ended early once every other peer has left; and a wait that gives the round
-        up once every other peer has left (instead of
-        waiting out the timeout for a group that can no longer form; a step, or a
-        SIGTERM, waits for this round)."""
+        up once every other peer has left (instead of waiting out the timeout for a group
+        that can no longer form; a step, or a SIGTERM, waits for this round)."""
         search = min(2 * self.matchmaking_time, self.averaging_timeout / 2)
         return {
             "timeout": self.averaging_timeout,

@@ -418,9 +418,9 @@ class TrainingStateAverager(DecentralizedAverager):
         peer carries on with its state as it was. ``averaging_opts``: the round's
         ``timeout`` and ``gather``; ``search_timeout``: give the round up if it has no
         group that long past its scheduled time; ``alone``, a callable true once every
-        other peer has left, which ends that search early; and ``wait``, a callable that waits for
-        the round's control (instead of ``control.result(timeout)``; the Optimizer's
-        gives the round up once every other peer has left)."""
+        other peer has left, which ends that search early; and ``wait``, a callable that
+        waits for the round's control (instead of ``control.result(timeout)``; the
+        Optimizer's gives the round up once every other peer has left)."""
         if delay_averaging is None:
             delay_averaging = delay_optimizer_step
         if wait_for_delayed_updates is None:
@@ -544,11 +544,11 @@ class TrainingStateAverager(DecentralizedAverager):
             search_timeout = options.get("search_timeout")
             alone = options.get("alone")
             if search_timeout is not None and not _grouped_within(control, search_timeout, alone):
-                why = "every other peer left" if alone is not None and alone() else "no group"
-                logger.log(
-                    self.status_loglevel,
-                    "state averaging skipped: %s within %.1f s", why, search_timeout,
-                )  # fmt: skip
+                if alone is not None and alone():
+                    why = "every other peer left"
+                else:
+                    why = f"no group within {search_timeout:.1f} s"
+                logger.log(self.status_loglevel, "state averaging skipped: %s", why)
                 return None
             wait = options.get("wait")  # the optimizer's: gives up once the others left
             gathered = wait(control) if wait is not None else control.result(timeout)
