@@ -236,7 +236,7 @@ class EpochMachinery:
 
     def wait_for_round(self, control: StepControl, epoch: int, what: str = "round") -> Any:
         """The round's result, within ``averaging_timeout``. A round still looking for
-        its group a matchmaking time after peers moved past ``epoch``, or once every
+        its group a matchmaking time after it saw peers past ``epoch``, or once every
         other peer has left (:meth:`others_left`), will never find one (rounds are
         tagged with the epoch): it is cancelled and None returned, rather than waited
         for (a peer that pays that wait every epoch never catches up). Not at once: with
@@ -256,6 +256,7 @@ class EpochMachinery:
     def _wait(self, control: StepControl, epoch: int, what: str, *, moved_on_ends_it: bool) -> Any:
         began = time.monotonic()
         deadline, asked = began + self.averaging_timeout, False
+        ahead_since: float | None = None  # since when peers past ``epoch`` are seen
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -273,15 +274,15 @@ class EpochMachinery:
                     self.tracker.request_fetch()
                     asked = True
                 # a peer that moved past the epoch may still be looking for this round's
-                # group in the background (delay_grad_averaging): it counts as gone only
-                # once this round has looked for a matchmaking time without meeting it
-                looked = time.monotonic() - began > self.matchmaking_time
-                moved_on = (
-                    moved_on_ends_it
-                    and looked
-                    and self.tracker.peers_ahead_of(epoch, refresh=False)
-                )
-                if moved_on:
+                # group in the background (delay_grad_averaging), and its group forms up
+                # to a matchmaking time after it began: it counts as gone only once it has
+                # been seen ahead for a matchmaking time without meeting us
+                moved_on = moved_on_ends_it and self.tracker.peers_ahead_of(epoch, refresh=False)
+                if not moved_on:
+                    ahead_since = None
+                elif ahead_since is None:
+                    ahead_since = time.monotonic()
+                if moved_on and time.monotonic() - ahead_since > self.matchmaking_time:
                     control.cancel()
                     logger.log(
                         self.status_loglevel,

@@ -199,9 +199,10 @@ def test_a_round_looking_for_a_group_is_given_up_once_peers_moved_on_or_left():
 def test_a_peer_ahead_may_still_join_the_round_within_a_matchmaking_time():
     """With delay_grad_averaging a peer enters epoch 4 while its round for epoch 3 looks
     for its group in the background: a round of epoch 3 that sees it ahead keeps looking
-    for a matchmaking time, and the group that forms meanwhile is averaged with. (An
-    ALBERT trainer gave its round up 0.3 s after its partner's began: both rounds failed
-    and the next epoch waited out a state round's search, 4.5 s.)"""
+    for a matchmaking time from then, and the group that forms meanwhile is averaged
+    with. (An ALBERT trainer gave its round up 0.3 s after its partner's began, and, with
+    a wait counted from its own start, 0.2 s before their group formed: both rounds
+    failed and the next epoch waited out a state round's search, 4.5 s.)"""
     tracker = _WaitingTracker(peers_ahead=1)
     machinery = _machinery(tracker, _StateAverager(3))
     machinery.averaging_timeout, machinery.matchmaking_time = 5.0, 1.0
